@@ -1,0 +1,32 @@
+# The README's two commands: `make demo` and `make test`. Each sets up .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# Re-install only when the project's dependencies change (or the venv is missing).
+STAMP  := $(VENV)/.tribucket-installed
+TORCH_PIN := torch==2.13.0
+
+.PHONY: demo test venv bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo ">> installing $(TORCH_PIN) (CPU build) first, then tribucket[test,perf]"
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,perf]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m tribucket.demo $(ARGS)
+
+# -p no:cacheprovider keeps a fresh clone clean; exit code 5 (no tests collected) fails the build.
+test: $(STAMP)
+	$(PY) -m pytest -p no:cacheprovider $(ARGS)
+
+bench: $(STAMP)
+	$(PY) perf/bench_pack.py
+	$(PY) perf/bench_step.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
