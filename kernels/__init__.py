@@ -1,3 +1,30 @@
-"""Triton kernels and their PyTorch references, imported as ``tribucket.kernels``."""
+"""Triton kernels and their PyTorch references, imported as ``tribucket.kernels``.
 
-__all__: list[str] = []
+Pack a bucket's tensors into one flat buffer (scale and cast fused in) and unpack it back::
+
+    from tribucket import kernels
+
+    plan = kernels.BucketPlan(sizes, offsets, numel, device)   # once per bucket layout
+    plan.pack(grads, buffer, scale=1 / world, found_inf=flag)   # one launch on CUDA
+    plan.unpack(buffer, grads)
+
+``kernels.pack`` / ``kernels.unpack`` do the same without holding a plan (plans are cached
+by layout). ``kernels.reference`` holds the plain-PyTorch specification of each contract.
+Importing this package never needs triton.
+"""
+
+from . import reference
+from .pack import BACKENDS, BLOCK, BucketPlan, pack, triton_available, unpack
+from .reference import pack_reference, unpack_reference
+
+__all__ = [
+    "BACKENDS",
+    "BLOCK",
+    "BucketPlan",
+    "pack",
+    "pack_reference",
+    "reference",
+    "triton_available",
+    "unpack",
+    "unpack_reference",
+]
