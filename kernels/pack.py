@@ -633,11 +633,16 @@ class BucketPlan:
         views = self._out_views(out)
         o = out.dtype
         c = compute_dtype(o, *dtypes)
-        if found_inf is None and dtypes == {o} and (scale == 1.0 or o == c):
-            # a copy: one gather per maximal run; a same-dtype scale: gather + mul_ per
-            # L2-sized group, one torch.mul(out=) per big tensor
-            runs = self._runs if scale == 1.0 else self._groups
-            for run, (v2, v1) in zip(runs, views.of(runs)):
+        if found_inf is None and dtypes == {o} and scale == 1.0:
+            # a copy: one cat per maximal run (cat copies with memcpy, which beats copy_
+            # when the destination is not 64-byte aligned, as bucket slots are not)
+            for run, (v2, v1) in zip(self._runs, views.of(self._runs)):
+                _gather(run, run.get(tensors), v2, v1)
+            return
+        if found_inf is None and dtypes == {o} == {c}:
+            # a same-dtype scale: gather + mul_ per L2-sized group of small tensors, one
+            # torch.mul(out=) per big tensor
+            for run, (v2, v1) in zip(self._groups, views.of(self._groups)):
                 x = tensors[run.idx[0]].reshape(-1) if len(run.idx) == 1 else None
                 _scaled(run, tensors, x, v2, v1, scale)
             return

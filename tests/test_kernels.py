@@ -1,6 +1,7 @@
 """kernels.pack / kernels.unpack: the Triton kernels (under the interpreter on CPU, natively
 on CUDA) and the torch path, each against the plain-PyTorch references."""
 
+import doctest
 import importlib
 
 import pytest
@@ -534,3 +535,9 @@ def test_functional_validation():
         kernels.pack([torch.zeros(1)], [0.0], [0])
     with pytest.raises(TypeError, match="offsets must be integers"):
         kernels.unpack(torch.zeros(4), [torch.zeros(1)], [0.5])
+
+
+def test_docstring_examples():
+    for mod in (P, importlib.import_module("tribucket.kernels.reference")):
+        result = doctest.testmod(mod, extraglobs={"torch": torch})
+        assert result.attempted > 0 and result.failed == 0, mod.__name__
