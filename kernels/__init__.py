@@ -1,3 +1,5 @@
 """Triton kernels and their PyTorch references, imported as ``tribucket.kernels``."""
 
-__all__: list[str] = []
+from .pack import BucketPlan, pack, unpack
+
+__all__ = ["BucketPlan", "pack", "unpack"]
