@@ -247,3 +247,33 @@ def test_exit_removes_every_hook(dist_run):
     counts = dist_run(_enter_exit_twice, world_size=2)[0]
     n_params = len(list(build("mlp").parameters()))
     assert counts == [0, n_params + 2, 0, n_params + 2, 0]
+
+
+def test_zero_grad_in_place_default_mode(dist_run):
+    """zero_grad(set_to_none=False): autograd accumulates into the lent bucket, in place."""
+    cases = [c for c in CASES if c[0] in ("mlp", "mixed", "branchy", "tied", "bn")]
+    dist_run(_parity_many, cases, set_to_none=False, no_sync_every=2, world_size=2,
+             timeout=240)
+
+
+def _saved_gradients_stay_intact():
+    """A gradient the user keeps is never overwritten by a later iteration."""
+    rank = dist.get_rank()
+    model = build("mlp")
+    out = []
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001) as reducer:
+        for step in range(4):
+            loss_of(model(batch("mlp", rank, step))).backward()
+            kept = [p.grad for p in model.parameters()]
+            snapshot = [g.clone() for g in kept]
+            model.zero_grad(set_to_none=True)
+            loss_of(model(batch("mlp", rank, step + 10))).backward()
+            out.append(all(torch.equal(a, b) for a, b in zip(kept, snapshot)))
+            model.zero_grad(set_to_none=True)
+        return out, reducer.stats.bucket_bytes_allocated
+
+
+def test_kept_gradients_are_not_overwritten(dist_run):
+    results = dist_run(_saved_gradients_stay_intact, world_size=2)
+    for intact, _ in results:
+        assert intact == [True] * 4

@@ -36,6 +36,7 @@ from .config import ReducerConfig
 from .grad_bucket import GradBucket
 from .hooks import _hook_traits
 from .layout import NO_CAP, BucketLayout, compute_layout
+from ._memory import BucketMemory
 
 __all__ = ["Reducer", "ReducerStats", "fused_bucketing"]
 
@@ -142,10 +143,8 @@ class Reducer:
         self._traits = _hook_traits(None, None)
         # layout and the buffers behind it (allocated at the first backward)
         self._layout = self._initial_layout()
-        self._bufs: list[torch.Tensor] = []
-        self._plans: list = []
+        self._mem: list[BucketMemory | None] = []  # per bucket (None: sparse)
         self._bucket_params: list[list[torch.Tensor]] = []
-        self._bucket_views: list[list[torch.Tensor]] = []
         self._allocated = False
         # iteration state
         self._pass: _Pass | None = None
@@ -266,7 +265,7 @@ class Reducer:
             # reverse-parameter-order guess is often wrong
             caps = dict(bucket_cap_bytes=NO_CAP, first_bucket_cap_bytes=NO_CAP)
         return compute_layout(self._params, expect_sparse=self._expect_sparse,
-                              align_bytes=_ALIGN_BYTES, **caps)
+                              align_bytes=_DDP_ALIGN_BYTES, **caps)
 
     def _attach(self) -> None:
         seen = set()
@@ -463,41 +462,38 @@ class Reducer:
 
     # ------------------------------------------------------------------ buffers
     def _allocate(self) -> None:
-        """Allocate the bucket buffers for the current layout and hook."""
-        align = _ALIGN_BYTES if self._traits.builtin else _DDP_ALIGN_BYTES
+        """Set up the memory of every bucket of the current layout for the current hook."""
+        align = self._align_bytes()
         if align != self._layout.align_bytes:
             self._layout = BucketLayout.from_tensor(
                 _realigned(self._layout.to_tensor(), align), self._params)
-        old_views = self._bucket_views
-        self._bufs, self._plans, self._bucket_params, self._bucket_views = [], [], [], []
-        total = 0
+        self._mem, self._bucket_params = [], []
         for bucket in self._layout.buckets:
             params = [self._params[i] for i in bucket.indices]
             self._bucket_params.append(params)
             if bucket.sparse:
-                self._bufs.append(None)
-                self._plans.append(None)
-                self._bucket_views.append([])
+                self._mem.append(None)
                 continue
-            wire = self._wire_dtype(bucket.dtype)
-            buf = torch.zeros(bucket.numel, dtype=wire, device=bucket.device)
-            total += buf.numel() * buf.element_size()
-            self._bufs.append(buf)
-            self._plans.append(kernels.BucketPlan(bucket.sizes, bucket.offsets, bucket.numel,
-                                                  bucket.device))
-            views = []
-            if self.config.gradient_as_bucket_view:
-                for param, off in zip(params, bucket.offsets):
-                    view = buf.narrow(0, off, param.numel()).view(param.shape)
-                    if param.grad is not None:  # keep accumulated values (rebuild)
-                        view.copy_(param.grad)
-                        param.grad = view
-                    views.append(view)
-            self._bucket_views.append(views)
-        del old_views
+            plan = kernels.BucketPlan(bucket.sizes, bucket.offsets, bucket.numel, bucket.device)
+            mem = BucketMemory(bucket, params, self._wire_dtype(bucket.dtype), plan,
+                               always_view=self.config.gradient_as_bucket_view)
+            if self.config.gradient_as_bucket_view and any(q.grad is not None for q in params):
+                # (rebuild) carry the accumulated gradients over and view the new bucket
+                buf = mem.pack([q.grad for q in params], 1.0, None)
+                mem.finish(buf, [q.grad is not None for q in params])
+            self._mem.append(mem)
         self._allocated = True
-        self.stats.bucket_bytes_allocated = total
         self.stats.buckets = len(self._layout.buckets)
+        self._update_memory_stats()
+
+    def _update_memory_stats(self) -> None:
+        self.stats.bucket_bytes_allocated = sum(m.nbytes() for m in self._mem if m is not None)
+
+    def _align_bytes(self) -> int:
+        # Padding only helps the GPU kernels; generic hooks get DDP's unpadded buffers
+        if self._traits.builtin and self._device.type == "cuda":
+            return _ALIGN_BYTES
+        return _DDP_ALIGN_BYTES
 
     def _wire_dtype(self, bucket_dtype: torch.dtype) -> torch.dtype:
         wire = self._traits.wire_dtype
@@ -516,17 +512,11 @@ class Reducer:
         if bucket.sparse:
             self._launch_sparse(p, b, params[0])
             return
-        buf = self._bufs[b]
         prescale = traits.prescale
         scale = 1.0 / self.world_size if prescale else 1.0
-        if self.config.gradient_as_bucket_view:
-            self._gather_into_views(b, params, p)
-            if scale != 1.0:
-                buf.mul_(scale)
-        else:
-            grads = [q.grad if p.ready[self._index_of[id(q)]] else None for q in params]
-            found = self.found_inf if traits.check_overflow else None
-            self._plans[b].pack(grads, buf, scale=scale, found_inf=found)
+        grads = [q.grad if p.ready[self._index_of[id(q)]] else None for q in params]
+        found = self.found_inf if traits.check_overflow else None
+        buf = self._mem[b].pack(grads, scale, found)
         p.bytes += buf.numel() * buf.element_size()
         if self._hook is None:
             p.handles[b] = dist.all_reduce(buf, group=self.process_group, async_op=True)
@@ -537,16 +527,6 @@ class Reducer:
             p.handles[b] = self._invoke_serialized(p, b, gb)
         else:
             p.handles[b] = self._invoke_hook(b, gb)
-
-    def _gather_into_views(self, b: int, params: list, p: _Pass) -> None:
-        views = self._bucket_views[b]
-        for q, view in zip(params, views):
-            g = q.grad
-            if not p.ready[self._index_of[id(q)]] or g is None:
-                view.zero_()
-            elif g.data_ptr() != view.data_ptr():
-                view.copy_(g)
-                q.grad = view  # from now on autograd accumulates into the bucket
 
     def _invoke_hook(self, b: int, gb: GradBucket) -> torch.futures.Future:
         try:
@@ -714,7 +694,7 @@ class Reducer:
                 results.append(h.work.result()[0])
             else:
                 h.wait()
-                results.append(self._bufs[b])
+                results.append(self._mem[b].active)
             p.state[b] = _BucketState.DONE
         return results
 
@@ -749,24 +729,10 @@ class Reducer:
                 if global_used is None or global_used[self._index_of[id(q)]]:
                     q.grad = result
                 continue
-            view_mode = (self.config.gradient_as_bucket_view
-                         and result.data_ptr() == self._bufs[b].data_ptr())
-            grads = []
-            for k, q in enumerate(params):
-                i = self._index_of[id(q)]
-                if global_used is not None and not global_used[i]:
-                    grads.append(None)  # unused on every rank: .grad left as it was
-                elif view_mode:
-                    view = self._bucket_views[b][k]
-                    if q.grad is None or q.grad.data_ptr() != view.data_ptr():
-                        q.grad = view  # the average is already there: point .grad at it
-                else:
-                    if q.grad is None:
-                        q.grad = torch.empty_like(q)  # used on another rank: gets the average
-                    grads.append(q.grad)
-            if view_mode:
-                continue
-            self._plans[b].unpack(result, grads)
+            targets = [global_used is None or global_used[self._index_of[id(q)]]
+                       for q in params]
+            self._mem[b].finish(result, targets)
+        self._update_memory_stats()
 
     def _raise_missing(self, missing: list[int], counts: list[float], errors: list[str]) -> None:
         ranks = [f"rank {r}: {int(c)}" for r, c in enumerate(counts) if c > 0]
