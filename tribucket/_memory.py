@@ -61,9 +61,9 @@ class BucketMemory:
             return None
         return torch.tensor(gaps, dtype=torch.long, device=bucket.device)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.active, self.lent)
-                   if t is not None)
+    def capacity_bytes(self) -> int:
+        """Bytes of the bucket's buffer in its wire dtype."""
+        return self.bucket.numel * torch.empty((), dtype=self.dtype).element_size()
 
     def _new_buffer(self) -> torch.Tensor:
         buf = torch.empty(self.bucket.numel, dtype=self.dtype, device=self.bucket.device)

@@ -9,8 +9,8 @@ into the same pass, so no full-precision copy of the bucket exists on that path.
 object with a ``process_group`` attribute (:class:`CompressionState`, :class:`GossipState`).
 """
 
-from __future__ import annotations
-
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -71,9 +71,10 @@ def _group_of(state: Any) -> dist.ProcessGroup:
     return dist.group.WORLD if group is None else group
 
 
-def _allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.futures.Future:
-    # the future's value is [tensor]; the reducer (and DDP) accept a one-element list
-    return dist.all_reduce(tensor, group=group, async_op=True).get_future()
+def _allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.futures.Future[torch.Tensor]:
+    # DDP needs the future's value to be the tensor itself (a work's own future holds a list)
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(
+        lambda fut: fut.value()[0])
 
 
 def _is_prescaled(bucket) -> bool:
@@ -102,7 +103,7 @@ class CompressionState:
 
 
 @_mark(prescale=True)
-def allreduce_hook(state: Any, bucket) -> torch.futures.Future:
+def allreduce_hook(state: Any, bucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over the group with one allreduce (the default behaviour).
 
     Under tribucket the bucket arrives already divided by the world size (fused into the
@@ -118,7 +119,7 @@ def allreduce_hook(state: Any, bucket) -> torch.futures.Future:
     return _allreduce(buf, group)
 
 
-def _compress(dtype: torch.dtype, state: Any, bucket) -> torch.futures.Future:
+def _compress(dtype: torch.dtype, state: Any, bucket) -> torch.futures.Future[torch.Tensor]:
     group = _group_of(state)
     buf = bucket.buffer()
     if _is_prescaled(bucket):
@@ -134,14 +135,14 @@ def _compress(dtype: torch.dtype, state: Any, bucket) -> torch.futures.Future:
             state.found_inf.fill_(1.0)
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
-        buf.copy_(fut.value()[0])
+        buf.copy_(fut.value())
         return buf
 
     return _allreduce(compressed, group).then(decompress)
 
 
 @_mark(wire_dtype=torch.float16)
-def fp16_compress_hook(state: Any, bucket) -> torch.futures.Future:
+def fp16_compress_hook(state: Any, bucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket in ``torch.float16``: half the bytes on the wire.
 
     Fused under tribucket: gradients are scaled by ``1/world_size`` and cast to fp16 in the
@@ -160,7 +161,7 @@ def fp16_compress_hook(state: Any, bucket) -> torch.futures.Future:
 
 
 @_mark(wire_dtype=torch.bfloat16)
-def bf16_compress_hook(state: Any, bucket) -> torch.futures.Future:
+def bf16_compress_hook(state: Any, bucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket in ``torch.bfloat16``: fp32's range with 8 bits of mantissa.
 
     Fused exactly as :func:`fp16_compress_hook` (scale before a round-to-nearest-even
@@ -174,7 +175,7 @@ def bf16_compress_hook(state: Any, bucket) -> torch.futures.Future:
 
 
 @_mark(prescale=False)
-def noop_hook(state: Any, bucket) -> torch.futures.Future:
+def noop_hook(state: Any, bucket) -> torch.futures.Future[torch.Tensor]:
     """Return the bucket untouched: everything but the communication, for measurements.
 
     Example::
@@ -218,7 +219,7 @@ class GossipState:
 
 
 @_mark(prescale=False)
-def gossip_hook(state: GossipState, bucket) -> torch.futures.Future:
+def gossip_hook(state: GossipState, bucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket with one peer instead of all ranks (GossipGrad).
 
     Each iteration a rank sends its bucket to one peer and averages it with the one it
@@ -247,8 +248,34 @@ def gossip_hook(state: GossipState, bucket) -> torch.futures.Future:
     ops = [dist.P2POp(dist.isend, buf, to_global(send_to), group),
            dist.P2POp(dist.irecv, recv, to_global(recv_from), group)]
     works = dist.batch_isend_irecv(ops)
+    return _p2p_future(works, lambda: buf.add_(recv).mul_(0.5))
 
-    def average(_: Any) -> torch.Tensor:
-        return buf.add_(recv).mul_(0.5)
 
-    return torch.futures.collect_all([w.get_future() for w in works]).then(average)
+# gloo's point-to-point Work has no get_future(): one daemon thread waits on such works, in
+# the order they were issued, and completes a Future for each batch.
+_p2p_queue: "queue.SimpleQueue | None" = None
+_p2p_lock = threading.Lock()
+
+
+def _p2p_waiter(q: "queue.SimpleQueue") -> None:
+    while True:
+        works, fut, then = q.get()
+        try:
+            for w in works:
+                w.wait()
+            fut.set_result(then())
+        except Exception as e:  # noqa: BLE001 - delivered to whoever waits on the future
+            fut.set_exception(e)
+
+
+def _p2p_future(works: list, then: Callable[[], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
+    """A Future completed with ``then()`` once every point-to-point work has finished."""
+    global _p2p_queue
+    with _p2p_lock:
+        if _p2p_queue is None:
+            _p2p_queue = queue.SimpleQueue()
+            threading.Thread(target=_p2p_waiter, args=(_p2p_queue,), daemon=True,
+                             name="tribucket-p2p").start()
+    fut: torch.futures.Future = torch.futures.Future()
+    _p2p_queue.put((works, fut, then))
+    return fut

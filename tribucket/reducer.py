@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -159,7 +158,9 @@ class Reducer:
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=self._device)
         self.stats = ReducerStats(buckets=len(self._layout.buckets))
         self._handles: list = []
+        self._hook_refs: list[_HookRef] = []
         self._closed = False
+        self._backward_start_ref = self._hook_ref("_on_backward_start")
         self._attach()
 
     # ------------------------------------------------------------------ set-up
@@ -274,9 +275,15 @@ class Reducer:
                 continue
             seen.add(id(p))
             self._handles.append(
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)))
-        self._handles.append(self.module.register_forward_pre_hook(self._pre_forward))
-        self._handles.append(self.module.register_forward_hook(self._post_forward))
+                p.register_post_accumulate_grad_hook(self._hook_ref("_on_grad_ready", i)))
+        self._handles.append(self.module.register_forward_pre_hook(
+            self._hook_ref("_pre_forward")))
+        self._handles.append(self.module.register_forward_hook(self._hook_ref("_post_forward")))
+
+    def _hook_ref(self, method: str, *args: Any) -> "_HookRef":
+        ref = _HookRef(self, method, args)
+        self._hook_refs.append(ref)
+        return ref
 
     # ------------------------------------------------------------------ public API
     @property
@@ -330,6 +337,9 @@ class Reducer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for ref in self._hook_refs:
+            ref.reducer = None  # graphs still holding a hook no longer reach the reducer
+        self._hook_refs.clear()
         p, self._pass = self._pass, None
         if p is not None and p.sync:
             for h in p.handles:  # finish what is in flight so no peer is left waiting
@@ -367,7 +377,7 @@ class Reducer:
         # an output (a hook on the parameters could fire inside a reentrant backward)
         for t in outs:
             if t.grad_fn is not None:
-                t.grad_fn.register_prehook(self._on_backward_start)
+                t.grad_fn.register_prehook(self._backward_start_ref)
 
     # ------------------------------------------------------------------ backward
     def _on_backward_start(self, grad_outputs):
@@ -436,6 +446,8 @@ class Reducer:
         """The first parameter gradient of a synchronised pass: buffers, unused params."""
         if not self._allocated:
             self._allocate()
+        if self._traits.check_overflow:
+            self.found_inf.zero_()  # the pack kernels only ever set it
         if self.config.static_graph:
             if self._static_counts is not None:
                 for i in self._unused:
@@ -487,7 +499,10 @@ class Reducer:
         self._update_memory_stats()
 
     def _update_memory_stats(self) -> None:
-        self.stats.bucket_bytes_allocated = sum(m.nbytes() for m in self._mem if m is not None)
+        # the buffers one iteration needs (one per bucket, in its wire dtype); a gradient the
+        # user keeps across iterations holds on to an older buffer on top of this
+        self.stats.bucket_bytes_allocated = sum(m.capacity_bytes() for m in self._mem
+                                                if m is not None)
 
     def _align_bytes(self) -> int:
         # Padding only helps the GPU kernels; generic hooks get DDP's unpadded buffers
@@ -732,7 +747,6 @@ class Reducer:
             targets = [global_used is None or global_used[self._index_of[id(q)]]
                        for q in params]
             self._mem[b].finish(result, targets)
-        self._update_memory_stats()
 
     def _raise_missing(self, missing: list[int], counts: list[float], errors: list[str]) -> None:
         ranks = [f"rank {r}: {int(c)}" for r, c in enumerate(counts) if c > 0]
@@ -780,6 +794,32 @@ class Reducer:
         self._rebuilt = True
         self.stats.rebuilds += 1
         self._allocate()
+
+
+class _HookRef:
+    """A hook the reducer installs on the model, its parameters or autograd nodes.
+
+    It holds the reducer only while attached (``close()`` cuts it), and copying or
+    pickling the model (``copy.deepcopy(model)`` for an EMA copy, ``torch.save(model)``)
+    gives the copy an inert hook instead of a copy of the reducer.
+    """
+
+    __slots__ = ("reducer", "method", "args")
+
+    def __init__(self, reducer: "Reducer | None", method: str, args: tuple = ()):
+        self.reducer, self.method, self.args = reducer, method, args
+
+    def __call__(self, *a: Any) -> Any:
+        r = self.reducer
+        if r is None:
+            return None
+        return getattr(r, self.method)(*self.args, *a)
+
+    def __deepcopy__(self, memo: dict) -> "_HookRef":
+        return _HookRef(None, self.method)
+
+    def __reduce__(self):
+        return (_HookRef, (None, self.method))
 
 
 class _SparseWork:
