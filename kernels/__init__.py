@@ -1,3 +1,29 @@
 """Triton kernels and their PyTorch references, imported as ``tribucket.kernels``."""
 
-__all__: list[str] = []
+from .moe import (
+    moe_counts,
+    moe_permute,
+    moe_unpermute,
+    moe_unpermute_backward,
+    permute_tokens,
+    unpermute_tokens,
+)
+from .moe_reference import (
+    moe_counts_reference,
+    moe_permute_reference,
+    moe_unpermute_backward_reference,
+    moe_unpermute_reference,
+)
+
+__all__: list[str] = [
+    "moe_counts",
+    "moe_counts_reference",
+    "moe_permute",
+    "moe_permute_reference",
+    "moe_unpermute",
+    "moe_unpermute_backward",
+    "moe_unpermute_backward_reference",
+    "moe_unpermute_reference",
+    "permute_tokens",
+    "unpermute_tokens",
+]
