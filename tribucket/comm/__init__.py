@@ -1,3 +1,5 @@
 """Thin wrappers over torch.distributed: futures, coalesced broadcast, all-to-all with autograd."""
 
-__all__: list[str] = []
+from .alltoall import all_to_all, exchange_counts, group_rank_and_size, ranks_reporting
+
+__all__: list[str] = ["all_to_all", "exchange_counts", "group_rank_and_size", "ranks_reporting"]
