@@ -368,10 +368,13 @@ def _bad_input_worker():
     layer = MoELayer([nn.Linear(D, D)], W, D)
     with _CountCollectives() as c:
         out["x_dim"] = _error_of(lambda: layer(torch.randn(4, D + 1)))
-        disp = MoEDispatcher(W)
-        out["ids_range"] = _error_of(lambda: disp.dispatch(torch.randn(3, D), torch.full((3, 1), W),
-                                                           torch.ones(3, 1)))
         out["calls_before_forward"] = list(c.calls)
+    # only the last rank's expert ids are out of range: its flag rides on the counts exchange
+    disp = MoEDispatcher(W)
+    ids = torch.full((3, 1), W if rank == W - 1 else 0)
+    with _CountCollectives() as c:
+        out["ids_range"] = _error_of(lambda: disp.dispatch(torch.randn(3, D), ids, torch.ones(3, 1)))
+        out["calls_in_bad_dispatch"] = list(c.calls)
     for how in ("shape", "raise"):
         bad = MoELayer([_BadOnRank(bad_rank=W - 1, how=how)], W, D, top_k=1)
         out[how] = _error_of(lambda: bad(torch.randn(6, D)))
@@ -395,9 +398,12 @@ def test_bad_input_errors_before_collectives(dist_run):
         assert out["dispatcher"][0] == "ValueError" and "num_experts=5" in out["dispatcher"][1]
         assert out["calls_before_layer"] == [], out["calls_before_layer"]
         assert out["x_dim"][0] == "ValueError" and "d_model=12" in out["x_dim"][1], out["x_dim"]
-        assert out["ids_range"][0] == "ValueError" and "expert 2" in out["ids_range"][1]
         assert out["calls_before_forward"] == [], out["calls_before_forward"]
+        assert out["calls_in_bad_dispatch"] == ["all_to_all_single"], out["calls_in_bad_dispatch"]
         assert out["healthy"]
+    assert results[1]["ids_range"][0] == "ValueError" and "expert 2" in results[1]["ids_range"][1]
+    assert results[0]["ids_range"][0] == "RuntimeError", results[0]["ids_range"]
+    assert "rank(s) [1]" in results[0]["ids_range"][1] and "bad input" in results[0]["ids_range"][1]
     # rank 1's expert misbehaves: it raises the real error, rank 0 a RuntimeError naming it
     assert results[1]["shape"][0] == "ValueError", results[1]["shape"]
     assert "expert 1 (local expert 0 on rank 1) returned (" in results[1]["shape"][1]

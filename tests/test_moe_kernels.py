@@ -20,11 +20,14 @@ from tribucket.kernels.moe_reference import (
     moe_unpermute_reference,
 )
 
-pytestmark = pytest.mark.interpreter
-
-needs_triton = pytest.mark.skipif(
+_skip_without_triton = pytest.mark.skipif(
     not kmoe.HAVE_TRITON or not (torch.cuda.is_available() or kmoe._INTERPRET),
     reason="needs triton (and TRITON_INTERPRET=1 without a GPU)")
+
+
+def needs_triton(fn):
+    """Runs the Triton kernel: on the GPU, or under the interpreter on CPU."""
+    return pytest.mark.interpreter(_skip_without_triton(fn))
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 # (T, K, D): empty, single token, odd sizes, a row longer than one block (_BLOCK_D = 512)
@@ -131,7 +134,7 @@ def test_unpermute_kernels_match_reference(T, K, D, dtype, drop, weighted):
 
 
 @pytest.mark.parametrize("backend", [
-    "reference", pytest.param("triton", marks=needs_triton)])
+    "reference", pytest.param("triton", marks=[_skip_without_triton, pytest.mark.interpreter])])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_autograd_through_permute_and_unpermute(backend, dtype):
     """x -> permute -> (rows * scale) -> weighted unpermute: gradients of x, scale and w

@@ -122,6 +122,10 @@ class MoEDispatcher:
         expert_output = torch.cat([expert(c) for expert, c in zip(my_local_experts, chunks)])
         y_TD = disp.combine(expert_output, meta)
 
+    Bad input to ``dispatch`` on one rank (ids out of range, mismatched shapes) makes that
+    rank raise ValueError/TypeError and the others RuntimeError naming it: the flag rides on
+    the counts exchange, before any token moves.
+
     Collectives: ``dispatch`` issues two all-to-alls (counts, tokens), ``combine`` one
     all-reduce (the check) and one all-to-all, backward two all-to-alls; every rank of the
     group must call them in the same order and agree on ``x.requires_grad``.
@@ -190,19 +194,39 @@ class MoEDispatcher:
     # -- the steps (a pipelined schedule reuses plan/permute/unpermute) -----------------
     def plan(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor,
              weights_TK: torch.Tensor) -> DispatchMeta:
-        """Validate, route locally and exchange the counts (the one host sync)."""
-        expert_ids_TK = self._check_inputs(x_TD, expert_ids_TK, weights_TK)
-        T, K = expert_ids_TK.shape
+        """Validate, route locally and exchange the counts (the one host sync).
+
+        A rank whose input is bad still joins the counts exchange, with a flag in an extra
+        column, then raises its ValueError/TypeError; the others raise a RuntimeError naming
+        it. No token moves, and no rank is left waiting.
+        """
         W, L = self.world_size, self.num_local_experts
+        try:
+            expert_ids_TK = self._check_inputs(x_TD, expert_ids_TK, weights_TK)
+        except (ValueError, TypeError) as error:
+            device = x_TD.device if isinstance(x_TD, torch.Tensor) else torch.device("cpu")
+            flagged = torch.zeros(W, L + 1, dtype=torch.int64, device=device)
+            flagged[:, L] = 1
+            exchange_counts(flagged, self.group)
+            raise error
+        T, K = expert_ids_TK.shape
         capacity = expert_capacity(self.capacity_factor, T, K, self.num_experts)
         counts_E = moe_counts(expert_ids_TK, self.num_experts, backend=self.backend)
         dest_TK, sent_E = _route(expert_ids_TK, counts_E, capacity)
         send_counts_WL = sent_E.view(W, L)
-        recv_counts_WL = exchange_counts(send_counts_WL, self.group)
-        host = torch.cat([send_counts_WL.reshape(-1), recv_counts_WL.reshape(-1),
-                          counts_E]).tolist()
+        # column L carries each rank's bad-input flag (0 here: this rank's input is fine)
+        recv_WL1 = exchange_counts(torch.cat([send_counts_WL, send_counts_WL.new_zeros(W, 1)], 1),
+                                   self.group)
+        recv_counts_WL = recv_WL1[:, :L].contiguous()
+        host = torch.cat([send_counts_WL.reshape(-1), recv_WL1.reshape(-1), counts_E]).tolist()
         send_WL = [host[w * L:(w + 1) * L] for w in range(W)]
-        recv_WL = [host[W * L + w * L:W * L + (w + 1) * L] for w in range(W)]
+        recv_WL1_host = [host[W * L + w * (L + 1):W * L + (w + 1) * (L + 1)] for w in range(W)]
+        bad = [w for w in range(W) if recv_WL1_host[w][L]]
+        if bad:
+            raise RuntimeError(f"rank(s) {bad} of the expert-parallel group passed bad input to "
+                               f"dispatch (see the error raised there); rank {self.rank} stops "
+                               f"before any token moves")
+        recv_WL = [row[:L] for row in recv_WL1_host]
         tokens_per_expert = tuple(sum(recv_WL[w][l] for w in range(W)) for l in range(L))
         regroup = None
         if L > 1 and W > 1:
@@ -213,7 +237,7 @@ class MoEDispatcher:
             send_counts_WL=send_counts_WL, recv_counts_WL=recv_counts_WL,
             send_splits=tuple(sum(r) for r in send_WL), recv_splits=tuple(sum(r) for r in recv_WL),
             tokens_per_expert=tokens_per_expert, regroup_dest_R1=regroup,
-            num_dropped=sum(host[2 * W * L:]) - sum(host[:W * L]))
+            num_dropped=sum(host[W * L + W * (L + 1):]) - sum(host[:W * L]))
 
     def permute(self, x_TD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """``send_ND``: each token's row once per kept choice, in global-expert order."""
