@@ -20,7 +20,7 @@ A step is forward + backward of ``(y * g).sum()``, timed between barriers (so th
 rank counts); the figure is the median over the measured steps after warm-up. Before timing,
 every variant's ``y`` is checked against MoELayer's on the same input.
 
-    python perf/bench_moe.py [--steps 5] [--warmup 1] [--tokens 4096]
+    python perf/bench_moe.py [--steps 7] [--warmup 1] [--tokens 4096]
 
 Writes perf/results/moe.json, moe.png and moe.md (copied into the README by
 ``python perf/update_readme.py moe``).
@@ -159,11 +159,12 @@ def _worker(rank: int, init_file: str, args, queue):
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (T)")
     args = p.parse_args(argv)
 
+    load_before = os.getloadavg()[0]  # other work on the machine skews every variant alike
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,7 +197,8 @@ def main(argv=None) -> dict:
                     steps=args.steps, warmup=args.warmup, threads_per_rank=1,
                     backend="gloo (CPU processes)"),
         machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
-                     torch=torch.__version__, python=platform.python_version()),
+                     torch=torch.__version__, python=platform.python_version(),
+                     load_avg_1min=dict(before=load_before, after=os.getloadavg()[0])),
         rows_per_local_expert={f"rank {r}": got[r][1] for r in sorted(got)},
         results=rows,
         target=dict(metric="MoELayer tokens/s / naive dense tokens/s", threshold=TARGET,
@@ -217,7 +219,9 @@ def _table(result) -> str:
         f"({result['machine']['cores']}-core CPU, torch {result['machine']['torch']}), "
         f"D={c['d_model']}, E={c['num_experts']}, k={c['top_k']}, T={c['tokens_per_rank']} "
         f"tokens/rank, expert FFN {c['d_model']}->{c['ffn_hidden']}->{c['d_model']}, "
-        f"fp32, dropless; median of {c['steps']} steps after {c['warmup']} warm-up.",
+        f"fp32, dropless; median of {c['steps']} steps after {c['warmup']} warm-up, variants "
+        f"interleaved (1-min load average {result['machine']['load_avg_1min']['before']:.1f} "
+        f"before, {result['machine']['load_avg_1min']['after']:.1f} after).",
         "",
         "| variant | step (ms) | tokens/s (all ranks) | vs naive dense | vs naive gather |",
         "| --- | ---: | ---: | ---: | ---: |",
