@@ -160,3 +160,44 @@ def batch(name: str, rank: int, step: int) -> torch.Tensor:
 
 def loss_of(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
+
+
+class RandomNet(nn.Module):
+    """A model built from a spec drawn by hypothesis (``tribucket.testing``-style).
+
+    spec: dict(widths=[...], dtypes=[...], frozen=[...], bn=[...], unused=[...], tie=bool,
+    branch=bool). Block i maps widths[i] -> widths[i+1] in dtypes[i]; ``unused[i]`` adds a
+    side layer that never runs; ``branch`` runs the last block twice when the input's first
+    entry is positive (data-dependent); ``tie`` ties the last block's weight to a square
+    block's if one exists.
+    """
+
+    def __init__(self, spec):
+        super().__init__()
+        self.spec = spec
+        w, dts = spec["widths"], spec["dtypes"]
+        self.blocks = nn.ModuleList()
+        self.norms = nn.ModuleList()
+        self.side = nn.ModuleList()
+        for i in range(len(w) - 1):
+            lin = nn.Linear(w[i], w[i + 1]).to(dts[i])
+            lin.requires_grad_(not spec["frozen"][i])
+            self.blocks.append(lin)
+            self.norms.append(nn.BatchNorm1d(w[i + 1]).to(dts[i]) if spec["bn"][i]
+                              else nn.Identity())
+            self.side.append(nn.Linear(w[i + 1], w[i + 1]).to(dts[i]) if spec["unused"][i]
+                             else nn.Identity())
+        squares = [i for i in range(len(w) - 1) if w[i] == w[i + 1]]
+        if spec["tie"] and len(squares) >= 2:
+            a, b = squares[0], squares[-1]
+            if dts[a] == dts[b] and not spec["frozen"][a] and not spec["frozen"][b]:
+                self.blocks[b].weight = self.blocks[a].weight
+        self.head = nn.Linear(w[-1], 2)
+
+    def forward(self, x):
+        for i, (lin, norm) in enumerate(zip(self.blocks, self.norms)):
+            x = torch.tanh(norm(lin(x.to(lin.weight.dtype))))
+            if self.spec["branch"] and i == len(self.blocks) - 1 and x.shape[-1] == \
+                    lin.out_features and lin.in_features == lin.out_features and x[0, 0] > 0:
+                x = torch.tanh(lin(x))
+        return self.head(x.float())

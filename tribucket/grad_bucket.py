@@ -22,10 +22,11 @@ class GradBucket:
     """
 
     __slots__ = ("_index", "_buffer", "_params", "_shapes", "_offsets", "_is_last",
-                 "_prescaled", "_views")
+                 "_prescaled", "_views", "_group")
 
     def __init__(self, index: int, buffer: torch.Tensor, parameters: Sequence[torch.Tensor],
-                 offsets: Sequence[int], is_last: bool, prescaled: bool = False):
+                 offsets: Sequence[int], is_last: bool, prescaled: bool = False,
+                 process_group=None):
         self._index = index            # position of the bucket in reduction order
         self._buffer = buffer          # the flat tensor the hook reduces
         self._params = list(parameters)  # the bucket's parameters, in layout order
@@ -34,6 +35,7 @@ class GradBucket:
         self._is_last = is_last        # the last bucket of this iteration
         self._prescaled = prescaled    # buffer already divided by world size (fused hooks)
         self._views = None             # cached gradients() views of the current buffer
+        self._group = process_group    # the reducer's group (tribucket's hooks default to it)
 
     def index(self) -> int:
         """Index of the bucket: buckets are reduced in index order, identical on every rank."""
@@ -68,6 +70,10 @@ class GradBucket:
             raise TypeError(f"set_buffer expects a tensor, got {type(buffer).__name__}")
         self._buffer = buffer
         self._views = None
+
+    def process_group(self):
+        """The group the reducer communicates on (``None``: not set, use the default)."""
+        return self._group
 
     def is_prescaled(self) -> bool:
         """True when the buffer is already divided by the world size (fused hooks)."""

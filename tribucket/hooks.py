@@ -62,12 +62,13 @@ def _hook_traits(hook: Callable | None, state: Any) -> _HookTraits:
     return _HookTraits(False, None, False, True, False)
 
 
-def _group_of(state: Any) -> dist.ProcessGroup:
-    if state is None:
-        return dist.group.WORLD
+def _group_of(state: Any, bucket: Any = None) -> dist.ProcessGroup:
+    """The group named by ``state``; else the reducer's (which carries its timeout)."""
     if isinstance(state, dist.ProcessGroup):
         return state
-    group = getattr(state, "process_group", None)
+    group = getattr(state, "process_group", None) if state is not None else None
+    if group is None and bucket is not None:
+        group = getattr(bucket, "process_group", lambda: None)()
     return dist.group.WORLD if group is None else group
 
 
@@ -112,7 +113,7 @@ def allreduce_hook(state: Any, bucket) -> torch.futures.Future[torch.Tensor]:
     Example::
         >>> reducer.register_comm_hook(None, tribucket.hooks.allreduce_hook)
     """
-    group = _group_of(state)
+    group = _group_of(state, bucket)
     buf = bucket.buffer()
     if not _is_prescaled(bucket):
         buf.div_(group.size())
@@ -120,7 +121,7 @@ def allreduce_hook(state: Any, bucket) -> torch.futures.Future[torch.Tensor]:
 
 
 def _compress(dtype: torch.dtype, state: Any, bucket) -> torch.futures.Future[torch.Tensor]:
-    group = _group_of(state)
+    group = _group_of(state, bucket)
     buf = bucket.buffer()
     if _is_prescaled(bucket):
         # fused path: the reducer already packed the gradients into `dtype` with 1/world
@@ -234,7 +235,7 @@ def gossip_hook(state: GossipState, bucket) -> torch.futures.Future[torch.Tensor
     if not isinstance(state, GossipState):
         raise TypeError(f"gossip_hook needs a tribucket.hooks.GossipState, got "
                         f"{type(state).__name__}")
-    group = _group_of(state)
+    group = _group_of(state, bucket)
     world, rank = group.size(), dist.get_rank(group)
     buf = bucket.buffer()
     send_to, recv_from = state.peers(rank, world)

@@ -4,13 +4,15 @@ State machine of one bucket in one backward pass::
 
     PENDING ──(last gradient of the bucket ready)──► READY
     READY ──(every earlier bucket launched)──► LAUNCHED   one fused pack + comm hook / allreduce
-    LAUNCHED ──(end of backward: future done)──► DONE     one fused unpack into every .grad
+    LAUNCHED ──(end of backward: result arrived)──► DONE  the average becomes every .grad
     DONE ──(next backward)──► PENDING
 
 Buckets are launched strictly in bucket order on every rank, so every rank issues the same
 collectives in the same order. The end of backward is an autograd-engine callback, queued
 from a pre-hook on the forward output's ``grad_fn`` (so it belongs to the outermost backward
-even under reentrant checkpointing) or, failing that, from the first gradient hook.
+even under reentrant checkpointing) or, failing that, from the first gradient hook. There a
+tiny status allreduce tells every rank whether any rank missed gradients (and, for fp16
+hooks, overflowed), so an error is raised on every rank instead of leaving one waiting.
 """
 
 from __future__ import annotations
@@ -25,33 +27,38 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 
 from . import kernels
 from ._env import describe_backend
 from ._graph import output_tensors, reachable_parameters
-from ._tags import is_expert_parallel
+from ._hookcall import HookRef, SparseWork, check_result, hook_name, invoke, invoke_after
+from ._memory import BucketMemory
+from ._model import inspect_model, verify_across_ranks
+from ._watchdog import CommGuard
 from .comm import broadcast_coalesced
 from .config import ReducerConfig
 from .grad_bucket import GradBucket
 from .hooks import _hook_traits
 from .layout import NO_CAP, BucketLayout, compute_layout
-from ._memory import BucketMemory
 
 __all__ = ["Reducer", "ReducerStats", "fused_bucketing"]
 
 logger = logging.getLogger("tribucket")
 
-# Alignment of each gradient inside a bucket for tribucket's own paths (16 bytes lets the
-# GPU kernels use 128-bit accesses). Generic comm hooks get DDP's unpadded buffers instead.
+# Alignment of each gradient inside a bucket for tribucket's own paths on GPU (16 bytes lets
+# the kernels use 128-bit accesses). Generic comm hooks, and the CPU, get DDP's unpadded
+# buffers.
 _ALIGN_BYTES = 16
 _DDP_ALIGN_BYTES = 1
+_STATE_VERSION = 1
 
 
 class _BucketState(enum.IntEnum):
     PENDING = 0   # waiting for gradients
     READY = 1     # every gradient is in; waits for earlier buckets to be launched
     LAUNCHED = 2  # packed and handed to the hook / allreduce; result in flight
-    DONE = 3      # result unpacked into the gradients
+    DONE = 3      # result arrived
 
 
 @dataclass
@@ -73,9 +80,9 @@ class ReducerStats:
     buckets: int = 0
     #: times the buckets were rebuilt in gradient-ready order (at most once)
     rebuilds: int = 0
-    #: bytes of bucket buffers the reducer holds
+    #: bytes of the bucket buffers one iteration uses
     bucket_bytes_allocated: int = 0
-    #: per-bucket seconds from launch to result, last backward (``debug`` only)
+    #: per-bucket seconds from launch to the end of backward, last backward (``debug`` only)
     bucket_comm_s: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -86,14 +93,15 @@ class _Pass:
     """One backward pass of the model, from its first gradient to the engine callback."""
 
     __slots__ = ("sync", "ready", "fired", "pending", "state", "next_bucket", "handles",
-                 "t_start", "callback_queued", "any_ready", "t_launch", "bytes", "errors")
+                 "t_start", "callback_queued", "any_ready", "t_launch", "bytes", "errors",
+                 "scale")
 
     def __init__(self, sync: bool, n_params: int, pending: list[int]):
         self.sync = sync                       # False: no_sync, gradients stay local
         self.ready = bytearray(n_params)       # parameter i's gradient is in its bucket slot
         self.fired = [0] * n_params            # gradient hooks seen per parameter
         self.pending = list(pending)           # per bucket: parameters not yet ready
-        self.state = [_BucketState.PENDING] * len(pending)  # per bucket state (see module doc)
+        self.state = [_BucketState.PENDING] * len(pending)  # per bucket state (module doc)
         self.next_bucket = 0                   # every bucket before this one is launched
         self.handles: list[Any] = [None] * len(pending)  # per bucket: Work or Future
         self.t_start = time.perf_counter()     # backward start (output grad_fn or first hook)
@@ -102,17 +110,20 @@ class _Pass:
         self.t_launch = [0.0] * len(pending)   # per bucket launch time (debug stats)
         self.bytes = 0                         # bytes handed to collectives
         self.errors: list[str] = []            # misuse found during backward, raised at the end
+        self.scale = 1.0                       # pre-division fused into the pack (1/world)
 
 
-class Reducer:
+class Reducer(Joinable):
     """Average gradients across ranks with DDP's semantics; see :func:`fused_bucketing`.
 
     Usable directly: ``reducer = Reducer(model)`` attaches, ``reducer.close()`` detaches
-    (or use it as a context manager).
+    (or use it as a context manager). It is a ``torch.distributed.algorithms.Joinable``:
+    ``with Join([reducer]): ...`` trains on uneven inputs as ``DDP.join()`` does.
     """
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
                  config: ReducerConfig | None = None, **options: Any):
+        super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
         if config is None:
@@ -127,23 +138,28 @@ class Reducer:
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
-        self._src = dist.get_global_rank(self.process_group, 0) \
-            if process_group is not None else 0
         logger.info("tribucket reducer on rank %d/%d: %s", self.rank, self.world_size,
                     describe_backend())
 
-        self._collect_parameters()
-        self._verify_model()
-        self._sync_module_states()
+        view = inspect_model(module, config.ignore_parameters)
+        self._state_params, self._buffers = view.state_params, view.buffers
+        self._names, self._params, self._index_of = view.names, view.params, view.index_of
+        self._device, self._expect_sparse = view.device, view.expect_sparse
+        # the reducer's own collectives: a group with the timeout, failure diagnosis, debug
+        self._guard = CommGuard(self.process_group, self.rank, self.world_size, self._device,
+                                config.timeout, config.debug)
+        verify_across_ranks(view, self._guard.group, self.world_size)
+        self._broadcast_states(src_rank=0, buffers=config.broadcast_buffers)
 
         # communication hook (register_comm_hook may replace it before the first backward)
         self._hook: Callable | None = None
         self._hook_state: Any = None
         self._traits = _hook_traits(None, None)
-        # layout and the buffers behind it (allocated at the first backward)
+        # layout and the memory behind it (buffers are allocated at the first backward)
         self._layout = self._initial_layout()
         self._mem: list[BucketMemory | None] = []  # per bucket (None: sparse)
         self._bucket_params: list[list[torch.Tensor]] = []
+        self._bucket_index: list[list[int]] = []   # per bucket: parameter indices
         self._allocated = False
         # iteration state
         self._pass: _Pass | None = None
@@ -152,107 +168,27 @@ class Reducer:
         self._require_forward_param_sync = True  # broadcast buffers before the next forward
         self._unused: list[int] = []           # parameters the last forward did not reach
         self._static_counts: list[int] | None = None  # static_graph: hooks per parameter
-        self._static_used: torch.Tensor | None = None  # static_graph: global used map
+        self._static_used: list | None = None  # static_graph: global used map
         self._ready_order: list[int] = []      # first synced pass: gradient-ready order
         self._rebuilt = False
+        self._passes = 0                       # backward passes begun (synced or not): the
+        # iteration number that fingerprints and failure reports use, equal on every rank
+        self._join_work = None                 # Join: the notify allreduce (ranks active)
+        self._divide_by_initial_world_size = True
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=self._device)
         self.stats = ReducerStats(buckets=len(self._layout.buckets))
         self._handles: list = []
-        self._hook_refs: list[_HookRef] = []
+        self._hook_refs: list[HookRef] = []
         self._closed = False
         self._backward_start_ref = self._hook_ref("_on_backward_start")
         self._attach()
 
     # ------------------------------------------------------------------ set-up
-    def _collect_parameters(self) -> None:
-        ignore_ids, ignore_names = set(), set()
-        for k, item in enumerate(self.config.ignore_parameters):
-            if isinstance(item, str):
-                ignore_names.add(item)
-            elif isinstance(item, torch.Tensor):
-                ignore_ids.add(id(item))
-            else:
-                raise TypeError(f"ignore_parameters[{k}] must be a parameter or its name, got "
-                                f"{type(item).__name__}")
-        named = list(self.module.named_parameters())
-        known_names = {n for n, _ in named} | {n for n, _ in self.module.named_buffers()}
-        unknown = sorted(ignore_names - known_names)
-        if unknown:
-            raise ValueError(f"ignore_parameters names {unknown} are not parameters or buffers of "
-                             f"the model; known names look like {sorted(known_names)[:5]}")
-        missing = ignore_ids - {id(p) for _, p in named}
-        if missing:
-            raise ValueError(f"{len(missing)} tensor(s) in ignore_parameters are not parameters "
-                             "of the model (pass the model's own parameter objects or names)")
-
-        def ignored(name: str, p: torch.Tensor) -> bool:
-            return id(p) in ignore_ids or name in ignore_names or is_expert_parallel(p)
-
-        #: parameters verified and broadcast on entering (frozen ones too, as DDP)
-        self._state_params = [(n, p) for n, p in named if not ignored(n, p)]
-        #: buffers verified and broadcast
-        self._buffers = [(n, b) for n, b in self.module.named_buffers() if n not in ignore_names]
-        #: parameters whose gradients this reducer averages, in model order (DDP's order)
-        grad_params = [(n, p) for n, p in self._state_params if p.requires_grad]
-        self._names = [n for n, _ in grad_params]
-        self._params = [p for _, p in grad_params]
-        self._index_of = {id(p): i for i, p in enumerate(self._params)}
-        devices = {p.device for p in self._params}
-        if len(devices) > 1:
-            first = self._params[0].device
-            other = next(i for i, p in enumerate(self._params) if p.device != first)
-            raise ValueError(f"fused_bucketing expects the parameters on one device: "
-                             f"{self._names[0]!r} is on {first} but {self._names[other]!r} is on "
-                             f"{self._params[other].device}; move the model with model.to(device)")
-        self._device = self._params[0].device if self._params else torch.device("cpu")
-        sparse_ids = set()
-        for m in self.module.modules():
-            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
-                sparse_ids.add(id(m.weight))
-        self._expect_sparse = [id(p) in sparse_ids for p in self._params]
-
-    def _verify_model(self) -> None:
-        """Every rank must hold the same parameters: compare metadata against rank 0's."""
-        if self.world_size == 1:
-            return
-        meta = [("parameter", n, tuple(p.shape), tuple(p.stride()), str(p.dtype),
-                 p.requires_grad) for n, p in self._state_params]
-        meta += [("buffer", n, tuple(b.shape), tuple(b.stride()), str(b.dtype), False)
-                 for n, b in self._buffers]
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, meta, group=self.process_group)
-        ref = everyone[0]
-        for r in range(1, self.world_size):
-            other = everyone[r]
-            for k in range(max(len(ref), len(other))):
-                a = ref[k] if k < len(ref) else None
-                b = other[k] if k < len(other) else None
-                if a == b:
-                    continue
-                if a is None or b is None:
-                    have = a if b is None else b
-                    raise RuntimeError(
-                        f"tribucket: the model differs across ranks: rank 0 has {len(ref)} "
-                        f"parameters/buffers, rank {r} has {len(other)}; the first extra one is "
-                        f"{have[0]} {have[1]!r} with shape {list(have[2])}. Build the same model "
-                        "on every rank before entering fused_bucketing.")
-                fields = ["kind", "name", "shape", "stride", "dtype", "requires_grad"]
-                diff = [f"{f}: {x!r} on rank 0 vs {y!r} on rank {r}"
-                        for f, x, y in zip(fields, a, b) if x != y]
-                raise RuntimeError(
-                    f"tribucket: the model differs across ranks at {a[0]} {a[1]!r} "
-                    f"(shape {list(a[2])} on rank 0, {list(b[2])} on rank {r}): "
-                    f"{'; '.join(diff)}. Build the same model on every rank before entering "
-                    "fused_bucketing.")
-
-    def _sync_module_states(self) -> None:
+    def _broadcast_states(self, src_rank: int, buffers: bool) -> None:
         tensors = [p.detach() for _, p in self._state_params]
-        if self.config.broadcast_buffers:
+        if buffers:
             tensors += [b.detach() for _, b in self._buffers]
-        broadcast_coalesced(tensors, src=0, group=self._group_arg())
-
-    def _group_arg(self):
-        return None if self.process_group is dist.group.WORLD else self.process_group
+        broadcast_coalesced(tensors, src=src_rank, group=self._guard.group_arg())
 
     def _initial_layout(self) -> BucketLayout:
         cfg = self.config
@@ -269,19 +205,15 @@ class Reducer:
                               align_bytes=_DDP_ALIGN_BYTES, **caps)
 
     def _attach(self) -> None:
-        seen = set()
-        for i, p in enumerate(self._params):
-            if id(p) in seen:  # tied parameters appear once already; defensive
-                continue
-            seen.add(id(p))
+        for i, p in enumerate(self._params):  # tied parameters appear once in the list
             self._handles.append(
                 p.register_post_accumulate_grad_hook(self._hook_ref("_on_grad_ready", i)))
         self._handles.append(self.module.register_forward_pre_hook(
             self._hook_ref("_pre_forward")))
         self._handles.append(self.module.register_forward_hook(self._hook_ref("_post_forward")))
 
-    def _hook_ref(self, method: str, *args: Any) -> "_HookRef":
-        ref = _HookRef(self, method, args)
+    def _hook_ref(self, method: str, *args: Any) -> HookRef:
+        ref = HookRef(self, method, args)
         self._hook_refs.append(ref)
         return ref
 
@@ -316,7 +248,7 @@ class Reducer:
             raise TypeError(f"hook must be callable as hook(state, bucket), got "
                             f"{type(hook).__name__} {hook!r}")
         if self._hook is not None:
-            raise RuntimeError(f"a comm hook ({_hook_name(self._hook)}) is already registered; "
+            raise RuntimeError(f"a comm hook ({hook_name(self._hook)}) is already registered; "
                                "register_comm_hook can be called only once per reducer")
         if self._allocated or self.stats.iterations > 0:
             raise RuntimeError("register_comm_hook must be called before the first backward "
@@ -324,10 +256,58 @@ class Reducer:
         traits = _hook_traits(hook, state)
         if traits.wire_dtype is not None and self.config.gradient_as_bucket_view:
             raise ValueError(
-                f"{_hook_name(hook)} packs gradients straight into a {traits.wire_dtype} wire "
+                f"{hook_name(hook)} packs gradients straight into a {traits.wire_dtype} wire "
                 "buffer, so there is no full-precision bucket for .grad to view: use "
                 "gradient_as_bucket_view=False with fused compression hooks")
         self._hook, self._hook_state, self._traits = hook, state, traits
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs: the (rebuilt) layout, the iteration count, hook state."""
+        return {
+            "version": _STATE_VERSION,
+            "parameter_names": list(self._names),
+            "layout": self._layout.to_tensor(),
+            "rebuilt": self._rebuilt,
+            "iterations": self.stats.iterations,
+            "passes": self._passes,
+            "static_counts": self._static_counts,
+            "static_used": self._static_used,
+            "hook": hook_name(self._hook),
+            "hook_state": _hook_state_dict(self._hook_state),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` into a reducer over the same model (before training).
+
+        Register the same comm hook (with a fresh state object) before loading, so its
+        state — the gossip schedule, PowerSGD's error feedback and random state — is
+        restored too.
+        """
+        if self._pass is not None:
+            raise RuntimeError("load_state_dict cannot run during a backward pass")
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"reducer state version {state.get('version')!r} is not supported "
+                             f"(expected {_STATE_VERSION})")
+        if state["parameter_names"] != self._names:
+            theirs, mine = state["parameter_names"], self._names
+            diff = next((k for k in range(min(len(theirs), len(mine))) if theirs[k] != mine[k]),
+                        min(len(theirs), len(mine)))
+            raise ValueError(f"the saved reducer state is for other parameters: {len(theirs)} "
+                             f"saved, {len(mine)} here, first difference at position {diff}")
+        if state["hook"] != hook_name(self._hook):
+            raise ValueError(f"the saved state was taken with comm hook {state['hook']}; "
+                             f"register it (currently {hook_name(self._hook)}) before loading")
+        self._layout = BucketLayout.from_tensor(state["layout"], self._params)
+        self._rebuilt = bool(state["rebuilt"])
+        self._static_counts = state["static_counts"]
+        self._static_used = state["static_used"]
+        self._ready_order = []
+        self.stats.iterations = int(state["iterations"])
+        self._passes = int(state.get("passes", state["iterations"]))
+        self.stats.rebuilds = int(self._rebuilt)
+        self.stats.buckets = len(self._layout.buckets)
+        self._allocated = False  # buffers follow the restored layout at the next backward
+        _load_hook_state(self._hook_state, state.get("hook_state"))
 
     def close(self) -> None:
         """Detach from the model: remove every hook, finish pending communication."""
@@ -341,9 +321,9 @@ class Reducer:
             ref.reducer = None  # graphs still holding a hook no longer reach the reducer
         self._hook_refs.clear()
         p, self._pass = self._pass, None
-        if p is not None and p.sync:
+        if p is not None and p.sync and not self._guard.failed:
             for h in p.handles:  # finish what is in flight so no peer is left waiting
-                if h is not None:
+                if h is not None and not isinstance(h, torch._C.Future):
                     with contextlib.suppress(Exception):
                         h.wait()
 
@@ -353,14 +333,40 @@ class Reducer:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ------------------------------------------------------------------ Joinable
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """Shadow this reducer's collectives on ranks that ran out of inputs (``Join``).
+
+        ``divide_by_initial_world_size`` (default ``True``, as DDP): divide gradients by the
+        initial world size; ``False`` divides by the number of ranks still training.
+        """
+        return _ReducerJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
     # ------------------------------------------------------------------ forward hooks
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled():
             return  # evaluation: no collective, so `if rank == 0: evaluate(model)` works
+        joining = self._join_config.enable
+        if joining:
+            self._join_work = Join.notify_join_context(self)
         if (self.config.broadcast_buffers and self._require_forward_param_sync
                 and self._buffers and self.world_size > 1):
-            broadcast_coalesced([b.detach() for _, b in self._buffers], src=0,
-                                group=self._group_arg())
+            # under Join rank 0 may have left: agree on the highest rank still training
+            src = self._common_rank(True) if joining else 0
+            self._guard.fingerprint("buffers", self._passes, 0, len(self._buffers),
+                                    None)
+            broadcast_coalesced([b.detach() for _, b in self._buffers], src=src,
+                                group=self._guard.group_arg())
+        if joining:
+            self._allreduce_flag(1.0 if self._sync_enabled else 0.0)  # tell joined ranks
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
@@ -383,9 +389,7 @@ class Reducer:
     def _on_backward_start(self, grad_outputs):
         if self._closed:
             return None
-        p = self._pass
-        if p is None:
-            p = self._begin_pass()
+        p = self._pass if self._pass is not None else self._begin_pass()
         if not p.callback_queued:
             p.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
@@ -394,14 +398,13 @@ class Reducer:
     def _begin_pass(self) -> _Pass:
         sync = self._fwd_sync if self._fwd_sync is not None else self._sync_enabled
         self._fwd_sync = None
+        self._passes += 1
         p = self._pass = _Pass(sync, len(self._params),
                                [len(b.indices) for b in self._layout.buckets])
         return p
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
-        p = self._pass
-        if p is None:
-            p = self._begin_pass()
+        p = self._pass if self._pass is not None else self._begin_pass()
         if not p.callback_queued:
             p.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
@@ -446,6 +449,8 @@ class Reducer:
         """The first parameter gradient of a synchronised pass: buffers, unused params."""
         if not self._allocated:
             self._allocate()
+        self._guard.mark_progress(self._passes)
+        p.scale = 1.0 / self._divisor() if self._traits.prescale else 1.0
         if self._traits.check_overflow:
             self.found_inf.zero_()  # the pack kernels only ever set it
         if self.config.static_graph:
@@ -455,6 +460,15 @@ class Reducer:
         elif self.config.find_unused_parameters:
             for i in self._unused:
                 self._mark_ready(p, i)
+
+    def _divisor(self) -> int:
+        """The world size, or under ``Join(divide_by_initial_world_size=False)`` the ranks
+        still training (the count the join notification allreduce produced)."""
+        work, self._join_work = self._join_work, None
+        if work is None or self._divide_by_initial_world_size:
+            return self.world_size
+        self._guard.wait(work, "the Join notification", self._passes)
+        return max(1, int(work.result()[0].item()))
 
     def _mark_ready(self, p: _Pass, index: int) -> None:
         p.ready[index] = 1
@@ -477,12 +491,14 @@ class Reducer:
         """Set up the memory of every bucket of the current layout for the current hook."""
         align = self._align_bytes()
         if align != self._layout.align_bytes:
-            self._layout = BucketLayout.from_tensor(
-                _realigned(self._layout.to_tensor(), align), self._params)
-        self._mem, self._bucket_params = [], []
+            encoded = self._layout.to_tensor().clone()
+            encoded[2] = align
+            self._layout = BucketLayout.from_tensor(encoded, self._params)
+        self._mem, self._bucket_params, self._bucket_index = [], [], []
         for bucket in self._layout.buckets:
             params = [self._params[i] for i in bucket.indices]
             self._bucket_params.append(params)
+            self._bucket_index.append(list(bucket.indices))
             if bucket.sparse:
                 self._mem.append(None)
                 continue
@@ -496,11 +512,8 @@ class Reducer:
             self._mem.append(mem)
         self._allocated = True
         self.stats.buckets = len(self._layout.buckets)
-        self._update_memory_stats()
-
-    def _update_memory_stats(self) -> None:
-        # the buffers one iteration needs (one per bucket, in its wire dtype); a gradient the
-        # user keeps across iterations holds on to an older buffer on top of this
+        # the buffers one iteration needs (one per bucket, in its wire dtype); a gradient
+        # the user keeps across iterations holds on to an older buffer on top of this
         self.stats.bucket_bytes_allocated = sum(m.capacity_bytes() for m in self._mem
                                                 if m is not None)
 
@@ -523,71 +536,29 @@ class Reducer:
         params = self._bucket_params[b]
         p.state[b] = _BucketState.LAUNCHED
         p.t_launch[b] = time.perf_counter()
-        traits = self._traits
         if bucket.sparse:
             self._launch_sparse(p, b, params[0])
             return
-        prescale = traits.prescale
-        scale = 1.0 / self.world_size if prescale else 1.0
-        grads = [q.grad if p.ready[self._index_of[id(q)]] else None for q in params]
-        found = self.found_inf if traits.check_overflow else None
-        buf = self._mem[b].pack(grads, scale, found)
+        ready = p.ready
+        grads = [q.grad if ready[i] else None for q, i in zip(params, self._bucket_index[b])]
+        found = self.found_inf if self._traits.check_overflow else None
+        buf = self._mem[b].pack(grads, p.scale, found)
+        self._send(p, b, buf, params, bucket)
+
+    def _send(self, p: _Pass, b: int, buf: torch.Tensor, params: list, bucket) -> None:
+        """Hand a packed bucket to the default allreduce or the comm hook."""
         p.bytes += buf.numel() * buf.element_size()
+        self._guard.fingerprint("bucket", self._passes, b, buf.numel(), buf.dtype)
         if self._hook is None:
-            p.handles[b] = dist.all_reduce(buf, group=self.process_group, async_op=True)
+            p.handles[b] = dist.all_reduce(buf, group=self._guard.group, async_op=True)
             return
         gb = GradBucket(b, buf, params, bucket.offsets, is_last=b == len(p.state) - 1,
-                        prescaled=prescale)
-        if traits.serialize:
-            p.handles[b] = self._invoke_serialized(p, b, gb)
+                        prescaled=self._traits.prescale, process_group=self._guard.group)
+        if self._traits.serialize:
+            p.handles[b] = invoke_after(p.handles[b - 1] if b else None, self._hook,
+                                        self._hook_state, b, gb)
         else:
-            p.handles[b] = self._invoke_hook(b, gb)
-
-    def _invoke_hook(self, b: int, gb: GradBucket) -> torch.futures.Future:
-        try:
-            fut = self._hook(self._hook_state, gb)
-        except Exception as e:
-            raise RuntimeError(f"comm hook {_hook_name(self._hook)} raised on bucket {b}: "
-                               f"{type(e).__name__}: {e}") from e
-        if not isinstance(fut, torch._C.Future):
-            raise RuntimeError(f"comm hook {_hook_name(self._hook)} returned "
-                               f"{type(fut).__name__} for bucket {b}; a hook must return a "
-                               "torch.futures.Future whose value is the bucket's new tensor")
-        return fut
-
-    def _invoke_serialized(self, p: _Pass, b: int, gb: GradBucket) -> torch.futures.Future:
-        """Call the hook only once the previous bucket's hook future has completed.
-
-        A hook whose callbacks launch collectives (PowerSGD) would otherwise interleave them
-        with the next bucket's collectives in a different order on different ranks. The
-        call happens on the thread that completes the previous future (gloo's / NCCL's
-        worker), so backward is not stalled.
-        """
-        chain: torch.futures.Future = torch.futures.Future()
-        hook, state, name = self._hook, self._hook_state, _hook_name(self._hook)
-
-        def finish(fut: torch.futures.Future) -> None:
-            try:
-                chain.set_result(fut.value())
-            except Exception as e:  # noqa: BLE001 - handed to the waiting main thread
-                chain.set_exception(e)
-
-        def invoke(_prev: Any = None) -> None:
-            try:
-                fut = hook(state, gb)
-                if not isinstance(fut, torch._C.Future):
-                    raise TypeError(f"returned {type(fut).__name__}, not a torch.futures.Future")
-                fut.add_done_callback(finish)
-            except Exception as e:  # noqa: BLE001
-                chain.set_exception(RuntimeError(f"comm hook {name} raised on bucket {b}: "
-                                                 f"{type(e).__name__}: {e}"))
-
-        prev = p.handles[b - 1] if b > 0 else None
-        if prev is None or prev.done():
-            invoke()
-        else:
-            prev.add_done_callback(invoke)
-        return chain
+            p.handles[b] = invoke(self._hook, self._hook_state, b, gb)
 
     def _launch_sparse(self, p: _Pass, b: int, param: torch.Tensor) -> None:
         index = self._index_of[id(param)]
@@ -600,13 +571,14 @@ class Reducer:
             raise RuntimeError(f"parameter {self._names[index]!r} belongs to an embedding with "
                                "sparse=True but its gradient is dense")
         g = g.coalesce()
+        self._guard.fingerprint("bucket", self._passes, b, g.values().numel(), g.dtype)
         if self._hook is None or self._traits.builtin:
-            g = g * (1.0 / self.world_size)
-            p.handles[b] = _SparseWork(dist.all_reduce(g, group=self.process_group,
-                                                       async_op=True))
+            g = g * p.scale if p.scale != 1.0 else g * (1.0 / self.world_size)
+            p.handles[b] = SparseWork(dist.all_reduce(g, group=self._guard.group,
+                                                      async_op=True))
         else:
             gb = GradBucket(b, g, [param], [0], is_last=b == len(p.state) - 1)
-            p.handles[b] = self._invoke_hook(b, gb)
+            p.handles[b] = invoke(self._hook, self._hook_state, b, gb)
 
     # ------------------------------------------------------------------ end of backward
     def _finalize(self) -> None:
@@ -620,6 +592,7 @@ class Reducer:
         t_end = time.perf_counter()
         cfg = self.config
         if cfg.static_graph and self._static_counts is None:
+            # the first iteration of a static graph: learn the hook counts, launch all
             self._static_counts = list(p.fired)
             self._unused = [i for i, c in enumerate(p.fired) if c == 0]
             for i in range(len(self._params)):
@@ -632,8 +605,8 @@ class Reducer:
         used = None
         if cfg.find_unused_parameters or (cfg.static_graph and self._static_used is None):
             # locally used: the hook fired with a gradient (DDP's local_used_map)
-            used = bytearray(1 if (f > 0 and self._params[i].grad is not None) else 0
-                             for i, f in enumerate(p.fired))
+            used = [1.0 if (f > 0 and self._params[i].grad is not None) else 0.0
+                    for i, f in enumerate(p.fired)]
         missing = [i for i in range(len(self._params)) if not p.ready[i]]
         # launch whatever is left, with zeros for missing gradients, so no peer is left
         # blocked in a collective this rank would never join
@@ -641,20 +614,17 @@ class Reducer:
             self._launch(p, b)
         p.next_bucket = len(p.state)
 
-        status = torch.zeros(self.world_size + 1 + (len(used) if used is not None else 0),
-                             dtype=torch.float32, device=self._device)
-        status[self.rank] = len(missing) + len(p.errors)
+        status = self._status_tensor(len(missing) + len(p.errors), used)
         status_work = None
-        if not self._traits.serialize and self.world_size > 1:
-            status_work = self._launch_status(status, used)
+        if not self._traits.serialize:
+            status_work = self._launch_status(status)
         results = self._wait_buckets(p)
-        if self._traits.serialize and self.world_size > 1:
-            status_work = self._launch_status(status, used)
+        if self._traits.serialize:  # hook callbacks may still have been issuing collectives
+            status_work = self._launch_status(status)
         t_status = time.perf_counter()
         if status_work is not None:
-            status_work.wait()
-        elif self.world_size == 1:
-            self._fill_status_locally(status, used)
+            self._guard.wait(status_work, "the end-of-backward status allreduce",
+                             self._passes)
         self.stats.status_check_s = time.perf_counter() - t_status
         counts = status[: self.world_size].tolist()
         if sum(counts) > 0:
@@ -668,7 +638,7 @@ class Reducer:
                 self._static_used = global_used  # the static graph's used set, once
         elif cfg.static_graph:
             global_used = self._static_used
-        self._unpack_all(p, results, global_used)
+        self._unpack_all(results, global_used)
         done = time.perf_counter()
         st = self.stats
         st.iterations += 1
@@ -677,75 +647,58 @@ class Reducer:
         st.bytes_communicated = p.bytes
         if cfg.debug:
             st.bucket_comm_s = [done - t for t in p.t_launch]
+            self._log_buckets(st.bucket_comm_s)
         if self._should_rebuild():
-            self._rebuild()
+            self._rebuild(self._ready_order)
 
-    def _launch_status(self, status: torch.Tensor, used) -> Any:
+    def _status_tensor(self, problems: int, used: list | None) -> torch.Tensor:
+        """``[problems per rank..., overflow flag, used map...]``: one allreduce tells all."""
+        status = torch.zeros(self.world_size + 1 + (len(used) if used is not None else 0),
+                             dtype=torch.float32)
+        status[self.rank] = problems
         if self._traits.check_overflow:
-            status[self.world_size] = self.found_inf.to(status.device)[0]
+            status[self.world_size] = float(self.found_inf.item())
         if used is not None:
-            status[self.world_size + 1:] = torch.tensor(list(used), dtype=status.dtype)
-        return dist.all_reduce(status, group=self.process_group, async_op=True)
+            status[self.world_size + 1:] = torch.tensor(used, dtype=status.dtype)
+        return status.to(self._device)
 
-    def _fill_status_locally(self, status: torch.Tensor, used) -> None:
-        if self._traits.check_overflow:
-            status[self.world_size] = self.found_inf[0]
-        if used is not None:
-            status[self.world_size + 1:] = torch.tensor(list(used), dtype=status.dtype)
+    def _launch_status(self, status: torch.Tensor):
+        if self.world_size == 1:
+            return None
+        self._guard.fingerprint("status", self._passes, 0, status.numel(), status.dtype)
+        return dist.all_reduce(status, group=self._guard.group, async_op=True)
 
     def _wait_buckets(self, p: _Pass) -> list:
         results = []
+        it = self._passes
         for b, h in enumerate(p.handles):
             bucket = self._layout.buckets[b]
+            what = f"bucket {b} ({len(bucket.indices)} tensors, {bucket.numel} elements)"
             if isinstance(h, torch._C.Future):
                 try:
                     value = h.wait()
                 except Exception as e:
-                    raise RuntimeError(f"comm hook {_hook_name(self._hook)} failed on bucket "
-                                       f"{b} ({len(bucket.indices)} tensors): {e}") from e
-                results.append(self._check_result(b, value))
-            elif isinstance(h, _SparseWork):
-                h.work.wait()
+                    self._guard.failed = True
+                    raise RuntimeError(f"tribucket (rank {self.rank}): comm hook "
+                                       f"{hook_name(self._hook)} failed on {what}: {e}") from e
+                results.append(check_result(self._hook, b, bucket, value))
+            elif isinstance(h, SparseWork):
+                self._guard.wait(h.work, f"the allreduce of {what}", it)
                 results.append(h.work.result()[0])
             else:
-                h.wait()
+                self._guard.wait(h, f"the allreduce of {what}", it)
                 results.append(self._mem[b].active)
             p.state[b] = _BucketState.DONE
         return results
 
-    def _check_result(self, b: int, value: Any) -> torch.Tensor:
-        if isinstance(value, (list, tuple)) and len(value) == 1:
-            value = value[0]
-        bucket = self._layout.buckets[b]
-        name = _hook_name(self._hook)
-        expected = bucket.numel if not bucket.sparse else None
-        if not isinstance(value, torch.Tensor):
-            raise RuntimeError(f"comm hook {name} completed bucket {b} with "
-                               f"{type(value).__name__}; expected a tensor of {expected} "
-                               f"elements")
-        if bucket.sparse:
-            return value
-        if value.numel() != expected:
-            raise RuntimeError(f"comm hook {name} completed bucket {b} with a tensor of "
-                               f"{value.numel()} elements (shape {list(value.shape)}); the "
-                               f"bucket holds {expected} elements of {bucket.dtype}")
-        if not value.is_floating_point():
-            raise RuntimeError(f"comm hook {name} completed bucket {b} with a {value.dtype} "
-                               f"tensor; expected a floating-point tensor (the bucket is "
-                               f"{bucket.dtype})")
-        return value.reshape(-1)
-
-    def _unpack_all(self, p: _Pass, results: list, global_used) -> None:
+    def _unpack_all(self, results: list, global_used) -> None:
         for b, result in enumerate(results):
-            bucket = self._layout.buckets[b]
             params = self._bucket_params[b]
-            if bucket.sparse:
-                q = params[0]
-                if global_used is None or global_used[self._index_of[id(q)]]:
-                    q.grad = result
+            targets = [global_used is None or global_used[i] for i in self._bucket_index[b]]
+            if self._layout.buckets[b].sparse:
+                if targets[0]:
+                    params[0].grad = result
                 continue
-            targets = [global_used is None or global_used[self._index_of[id(q)]]
-                       for q in params]
             self._mem[b].finish(result, targets)
 
     def _raise_missing(self, missing: list[int], counts: list[float], errors: list[str]) -> None:
@@ -758,15 +711,22 @@ class Reducer:
                 f"tribucket: another rank reported a problem in this backward pass "
                 f"({', '.join(ranks)}); see its error. This rank's gradients were not averaged.")
         names = [self._names[i] for i in missing]
-        mine = (f" This rank ({self.rank}) got no gradient for: {', '.join(names[:20])}"
-                f"{' ...' if len(names) > 20 else ''}." if names else "")
         raise RuntimeError(
             "tribucket: some parameters received no gradient in this backward pass "
-            f"({', '.join(ranks)} parameters missing).{mine} Every rank still completed its "
-            "collectives, so none is left waiting. If parts of the model are legitimately "
-            "unused, pass find_unused_parameters=True to fused_bucketing (or "
+            f"({', '.join(ranks)} parameters missing). This rank ({self.rank}) got no gradient "
+            f"for: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}. Every rank "
+            "still completed its collectives, so none is left waiting. If parts of the model "
+            "are legitimately unused, pass find_unused_parameters=True to fused_bucketing (or "
             "static_graph=True if the unused set never changes); otherwise make sure every "
             "parameter contributes to the loss.")
+
+    def _log_buckets(self, seconds: list[float]) -> None:
+        for b, (bucket, s) in enumerate(zip(self._layout.buckets, seconds)):
+            names = [self._names[i] for i in bucket.indices]
+            logger.info("tribucket rank %d iteration %d bucket %d: %d tensors, %d bytes, "
+                        "%.2f ms from launch to end of backward: %s", self.rank,
+                        self.stats.iterations, b, len(names), bucket.nbytes, s * 1e3,
+                        ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""))
 
     # ------------------------------------------------------------------ rebuild
     def _should_rebuild(self) -> bool:
@@ -775,16 +735,21 @@ class Reducer:
             return False
         return bool(self._ready_order)
 
-    def _rebuild(self) -> None:
-        order = list(self._ready_order)
+    def _rebuild(self, ready_order: list[int]) -> None:
+        """Rebuild the buckets in rank 0's gradient-ready order (broadcast), once."""
+        order = list(ready_order)
         if self.config.static_graph:
             order += [i for i in self._unused if i not in set(order)]
         self._ready_order = []
         if sorted(order) != list(range(len(self._params))):
-            return  # incomplete order (should not happen): keep the current layout
+            order = list(range(len(self._params)))  # incomplete (a joined rank): index order
         t = torch.tensor(order, dtype=torch.int64, device=self._device)
         if self.world_size > 1:
-            dist.broadcast(t, self._src, group=self._group_arg())  # rank 0's order for all
+            self._guard.fingerprint("rebuild", self._passes, 0, t.numel(), t.dtype)
+            work = dist.broadcast(t, dist.get_global_rank(self._guard.group, 0)
+                                  if self._guard.group is not dist.group.WORLD else 0,
+                                  group=self._guard.group_arg(), async_op=True)
+            self._guard.wait(work, "the bucket-rebuild broadcast", self._passes)
         cfg = self.config
         self._layout = compute_layout(
             self._params, bucket_cap_bytes=cfg.bucket_cap_bytes,
@@ -795,55 +760,107 @@ class Reducer:
         self.stats.rebuilds += 1
         self._allocate()
 
+    # ------------------------------------------------------------------ Join support
+    def _allreduce_flag(self, value: float, op=dist.ReduceOp.SUM) -> float:
+        t = torch.tensor([value], device=self._device)
+        work = dist.all_reduce(t, op=op, group=self.process_group, async_op=True)
+        self._guard.wait(work, "a Join coordination allreduce", self._passes)
+        return t.item()
 
-class _HookRef:
-    """A hook the reducer installs on the model, its parameters or autograd nodes.
+    def _common_rank(self, candidate: bool) -> int:
+        """The highest rank among the candidates (DDP's authoritative rank under Join)."""
+        r = self._allreduce_flag(float(self.rank if candidate else -1), op=dist.ReduceOp.MAX)
+        if r < 0:
+            raise RuntimeError("Join: no rank is a candidate to hold the authoritative model")
+        return int(r)
 
-    It holds the reducer only while attached (``close()`` cuts it), and copying or
-    pickling the model (``copy.deepcopy(model)`` for an EMA copy, ``torch.save(model)``)
-    gives the copy an inert hook instead of a copy of the reducer.
-    """
+    def _shadow_iteration(self) -> None:
+        """On a rank that ran out of inputs: issue the collectives one iteration of the
+        others issues, contributing zeros (the reducer's ``JoinHook.main_hook``)."""
+        if (self.config.broadcast_buffers and self._require_forward_param_sync
+                and self._buffers and self.world_size > 1):
+            src = self._common_rank(False)
+            self._guard.fingerprint("buffers", self._passes, 0, len(self._buffers),
+                                    None)
+            broadcast_coalesced([b.detach() for _, b in self._buffers], src=src,
+                                group=self._guard.group_arg())
+        sync = self._allreduce_flag(0.0) != 0
+        self._require_forward_param_sync = sync
+        self._passes += 1
+        if not sync:
+            return
+        if not self._allocated:
+            self._allocate()
+        p = _Pass(True, len(self._params), [len(b.indices) for b in self._layout.buckets])
+        for b, bucket in enumerate(self._layout.buckets):
+            p.state[b] = _BucketState.LAUNCHED
+            if bucket.sparse:
+                param = self._bucket_params[b][0]
+                self._launch_sparse(p, b, param)
+                continue
+            mem = self._mem[b]
+            buf = mem.active if mem.active is not None else mem._new_buffer()
+            mem.active = buf
+            buf.zero_()
+            self._send(p, b, buf, self._bucket_params[b], bucket)
+        cfg = self.config
+        used = [0.0] * len(self._params) \
+            if cfg.find_unused_parameters or (cfg.static_graph and self._static_used is None) \
+            else None
+        status = self._status_tensor(0, used)
+        work = None if self._traits.serialize else self._launch_status(status)
+        self._wait_buckets(p)  # results are zeros plus the others' gradients: discarded
+        if self._traits.serialize:
+            work = self._launch_status(status)
+        if work is not None:
+            self._guard.wait(work, "the end-of-backward status allreduce",
+                             self._passes)
+        if used is not None and cfg.static_graph:
+            self._static_used = (status[self.world_size + 1:] > 0).tolist()
+        if cfg.static_graph and self._static_counts is None:
+            self._static_counts = [1] * len(self._params)
+        self.stats.iterations += 1
+        if not self._rebuilt and not (cfg.find_unused_parameters and not cfg.static_graph) \
+                and not (cfg.static_graph and self.stats.iterations < 2):
+            self._rebuild(list(range(len(self._params))))
 
-    __slots__ = ("reducer", "method", "args")
 
-    def __init__(self, reducer: "Reducer | None", method: str, args: tuple = ()):
-        self.reducer, self.method, self.args = reducer, method, args
+class _ReducerJoinHook(JoinHook):
+    """``Join`` support: shadow the iteration on joined ranks, sync the model at the end."""
 
-    def __call__(self, *a: Any) -> Any:
+    def __init__(self, reducer: Reducer, divide_by_initial_world_size: bool):
+        self.reducer = reducer
+        reducer._divide_by_initial_world_size = bool(divide_by_initial_world_size)
+
+    def main_hook(self) -> None:
+        self.reducer._shadow_iteration()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        # as DDP: the model of the last rank to join (ties: the highest rank) wins
         r = self.reducer
-        if r is None:
-            return None
-        return getattr(r, self.method)(*self.args, *a)
-
-    def __deepcopy__(self, memo: dict) -> "_HookRef":
-        return _HookRef(None, self.method)
-
-    def __reduce__(self):
-        return (_HookRef, (None, self.method))
+        src = r._common_rank(is_last_joiner)
+        r._broadcast_states(src_rank=src, buffers=r.config.broadcast_buffers)
 
 
-class _SparseWork:
-    """The allreduce of a sparse gradient: its result is a new tensor, not the input."""
-
-    __slots__ = ("work",)
-
-    def __init__(self, work):
-        self.work = work
-
-    def wait(self):
-        return self.work.wait()
+def _hook_state_dict(state: Any) -> Any:
+    if state is None or isinstance(state, dist.ProcessGroup) or isinstance(state, list):
+        return None
+    if hasattr(state, "state_dict"):
+        return state.state_dict()
+    if hasattr(state, "__getstate__") and hasattr(state, "process_group"):
+        return state.__getstate__()  # torch's PowerSGDState (process group excluded)
+    return None
 
 
-def _realigned(encoded: torch.Tensor, align: int) -> torch.Tensor:
-    out = encoded.clone()
-    out[2] = align
-    return out
-
-
-def _hook_name(hook: Callable | None) -> str:
-    if hook is None:
-        return "allreduce (default)"
-    return getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or repr(hook)
+def _load_hook_state(state: Any, saved: Any) -> None:
+    if saved is None or state is None:
+        return
+    if hasattr(state, "load_state_dict"):
+        state.load_state_dict(saved)
+    elif hasattr(state, "__setstate__") and hasattr(state, "process_group"):
+        group = state.process_group
+        state.__setstate__(saved)
+        state.process_group = group  # keep the group the state was created with
 
 
 def fused_bucketing(model: nn.Module, process_group: dist.ProcessGroup | None = None, *,
@@ -866,7 +883,7 @@ def fused_bucketing(model: nn.Module, process_group: dist.ProcessGroup | None = 
 
     Entering verifies the model is the same on every rank, broadcasts rank 0's parameters
     and buffers, and attaches hooks; leaving removes every hook. See :class:`ReducerConfig`
-    for the options (they mean what DDP's do).
+    for the options (they mean what DDP's do, plus ``timeout`` and ``debug``).
     """
     return Reducer(model, process_group, bucket_cap_mb=bucket_cap_mb,
                    first_bucket_cap_mb=first_bucket_cap_mb,
