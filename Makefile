@@ -27,6 +27,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) perf/bench_pack.py
 	$(PY) perf/bench_step.py
+	$(PY) perf/bench_moe.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -117,8 +117,12 @@ class WorkerPool:
         self._collect("ready", _STARTUP_TIMEOUT, what="start-up")
 
     # ---------------------------------------------------------------------------------
-    def run(self, fn: Callable, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
-        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results."""
+    def run(self, fn: Callable, *args, timeout: float = DEFAULT_TIMEOUT,
+            expect_dead: tuple = (), **kwargs) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results.
+
+        Ranks in ``expect_dead`` may die (their result is ``None``); the others must answer.
+        """
         if not self.alive:
             raise DistTestError("this worker pool was torn down")
         module, name = fn.__module__, fn.__qualname__
@@ -129,9 +133,9 @@ class WorkerPool:
         payload = (_dumps(args), _dumps(kwargs))
         for q in self._tasks:
             q.put((call_id, module, name, *payload))
-        return self._collect(call_id, timeout, what=f"{module}.{name}")
+        return self._collect(call_id, timeout, what=f"{module}.{name}", expect_dead=expect_dead)
 
-    def _collect(self, call_id, timeout: float, what: str) -> list:
+    def _collect(self, call_id, timeout: float, what: str, expect_dead: tuple = ()) -> list:
         deadline = time.monotonic() + timeout
         got: dict[int, tuple[bool, bytes]] = {}
         while len(got) < self.world_size:
@@ -140,6 +144,9 @@ class WorkerPool:
             except queue.Empty:
                 dead = [(r, p.exitcode) for r, p in enumerate(self._procs)
                         if r not in got and not p.is_alive()]
+                for r, _ in [d for d in dead if d[0] in expect_dead]:
+                    got[r] = (True, b"")  # died as the test intended
+                dead = [d for d in dead if d[0] not in expect_dead]
                 if dead:
                     self._fail(f"{what}: rank(s) {', '.join(f'{r} (exit code {c})' for r, c in dead)} "
                                "died", got)

@@ -7,16 +7,26 @@ communication, and a Python reducer (``fused_bucketing``) and an MoE dispatcher
 
 from __future__ import annotations
 
+from . import hooks
 from ._env import nccl_version
+from .config import ReducerConfig
+from .grad_bucket import GradBucket
 from .layout import NO_CAP, Bucket, BucketLayout, TensorSpec, compute_layout
+from .reducer import Reducer, ReducerStats, fused_bucketing
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Bucket",
     "BucketLayout",
+    "GradBucket",
     "NO_CAP",
+    "Reducer",
+    "ReducerConfig",
+    "ReducerStats",
     "TensorSpec",
     "compute_layout",
+    "fused_bucketing",
+    "hooks",
     "nccl_version",
 ]

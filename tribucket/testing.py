@@ -214,3 +214,62 @@ def check_layout(
         bucket = layout.buckets[b]
         if bucket.offsets[bucket.indices.index(i)] != off:
             _fail(f"locate({i}) gives offset {off}, the bucket says otherwise")
+
+
+# ---------------------------------------------------------------------------------------
+# MoE routings
+# ---------------------------------------------------------------------------------------
+#: the routing shapes ``moe_routings`` draws from
+ROUTING_KINDS = ("uniform", "skewed", "one_expert", "zero_tokens")
+
+
+@dataclass(frozen=True)
+class MoERouting:
+    """Expert choices of every rank: ``expert_ids[r]`` is rank ``r``'s int64 ``[T_r, K]``."""
+
+    kind: str
+    num_experts: int
+    top_k: int
+    expert_ids: tuple[torch.Tensor, ...]
+
+
+def _route_tokens(kind: str, T: int, E: int, K: int, hot: int, seed: int) -> torch.Tensor:
+    """``[T, K]`` distinct experts per token (as ``torch.topk`` gives), drawn for ``kind``."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "one_expert":  # every token picks hot, hot+1, ... (K = 1: one expert gets all)
+        return ((hot + torch.arange(K)) % E).repeat(T, 1)
+    # Gumbel top-k: distinct experts per token, with a preference that sets the skew
+    gumbel_TE = -torch.log(-torch.log(torch.rand(T, E, generator=g).clamp_min(1e-12)))
+    if kind == "skewed":  # expert hot+j is e^(-1.5 j) as likely as hot
+        gumbel_TE = gumbel_TE - 1.5 * ((torch.arange(E) - hot) % E).float()
+    return torch.topk(gumbel_TE, K, dim=-1).indices
+
+
+def moe_routings(world_size: int, num_experts: int, top_k: int, max_tokens: int = 24,
+                 kinds: Sequence[str] = ROUTING_KINDS) -> st.SearchStrategy[MoERouting]:
+    """Routings of ``world_size`` ranks' tokens to ``num_experts`` experts, ``top_k`` each.
+
+    ``uniform``: random distinct experts per token; ``skewed``: one hot expert takes most
+    slots; ``one_expert``: every token of every rank picks the same experts (with K = 1, one
+    expert gets everything); ``zero_tokens``: one rank has no tokens. Token counts per rank
+    are drawn from 0 to ``max_tokens``, so ranks and experts that receive nothing are common.
+    """
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be in 1..num_experts ({num_experts})")
+
+    @st.composite
+    def _routing(draw):
+        kind = draw(st.sampled_from(list(kinds)))
+        tokens = [draw(st.integers(0, max_tokens)) for _ in range(world_size)]
+        if kind == "zero_tokens":
+            tokens[draw(st.integers(0, world_size - 1))] = 0
+        hot = draw(st.integers(0, num_experts - 1))
+        seed = draw(st.integers(0, 2**31 - 1))
+        ids = tuple(_route_tokens(kind, t, num_experts, top_k, hot, seed + r)
+                    for r, t in enumerate(tokens))
+        return MoERouting(kind, num_experts, top_k, ids)
+
+    return _routing()
+
+
+__all__ += ["MoERouting", "moe_routings", "ROUTING_KINDS"]

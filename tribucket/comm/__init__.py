@@ -1,3 +1,7 @@
 """Thin wrappers over torch.distributed: futures, coalesced broadcast, all-to-all with autograd."""
 
-__all__: list[str] = []
+from .alltoall import all_to_all, exchange_counts, group_rank_and_size, ranks_reporting
+from .broadcast import BROADCAST_BUCKET_BYTES, broadcast_coalesced
+
+__all__: list[str] = ["BROADCAST_BUCKET_BYTES", "all_to_all", "broadcast_coalesced",
+                      "exchange_counts", "group_rank_and_size", "ranks_reporting"]

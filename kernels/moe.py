@@ -1,0 +1,372 @@
+"""Triton kernels for Mixture-of-Experts token movement: counts, permute, unpermute.
+
+Shape legend (suffixes on tensor names):
+    T  tokens on this rank          K  experts per token (top-k)
+    D  model dimension              E  experts (global)
+    S  token-slots, S = T * K       N  rows of the expert-ordered buffer (kept slots, N <= S)
+
+A token-slot ``s = t * K + k`` is token ``t``'s ``k``-th choice. ``dest_TK[t, k]`` is the row
+of the expert-ordered buffer that slot goes to, or ``-1`` when capacity dropped it; the kept
+slots map one-to-one onto rows ``0 .. N-1`` (the dispatcher builds ``dest_TK``).
+
+Three layers, as in every kernel file here:
+
+* ``_counts_kernel``, ``_permute_kernel``, ``_unpermute_kernel``, ``_unpermute_bwd_kernel``
+  (``@triton.jit``), one launch each;
+* launchers ``moe_counts``, ``moe_permute``, ``moe_unpermute``, ``moe_unpermute_backward``:
+  validate, allocate, pick the path, launch. ``backend="auto"`` runs Triton on CUDA tensors
+  and the PyTorch reference (``kernels/moe_reference.py``, vectorised) on CPU tensors;
+  ``backend="triton"`` forces the kernel (on CPU that needs ``TRITON_INTERPRET=1`` in the
+  environment before this module is imported), ``backend="reference"`` the PyTorch path;
+* differentiable ``permute_tokens`` / ``unpermute_tokens`` (``torch.autograd.Function``):
+  the backward of permute is an unweighted unpermute, the backward of unpermute is one
+  fused kernel giving both the scattered row gradients and the gate-weight gradients.
+
+``import tribucket`` must work without triton: when it is missing, a stand-in keeps the
+kernel definitions importable and ``backend="triton"`` raises a clear error.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .moe_reference import (
+    moe_counts_reference,
+    moe_permute_reference,
+    moe_unpermute_backward_reference,
+    moe_unpermute_reference,
+)
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    HAVE_TRITON = False
+
+    class _NoTriton:
+        """Stands in for ``triton`` / ``triton.language`` so the kernels below still define."""
+
+        constexpr = int
+
+        @staticmethod
+        def jit(fn=None, **_):
+            return fn if fn is not None else (lambda f: f)
+
+    triton = tl = _NoTriton()  # type: ignore[assignment]
+
+#: @triton.jit reads TRITON_INTERPRET when this module is imported: remember what it saw
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+__all__ = [
+    "moe_counts",
+    "moe_permute",
+    "moe_unpermute",
+    "moe_unpermute_backward",
+    "permute_tokens",
+    "unpermute_tokens",
+    "HAVE_TRITON",
+]
+
+#: ids histogrammed per program: 1024 int64 ids = 8 KiB per load, a few atomics per E bins
+_COUNTS_BLOCK = 1024
+#: row elements per program: 512 fp32 = 2 KiB, i.e. 4 elements (one 128-bit access) per
+#: thread with 4 warps; rows longer than this take several programs (or loop iterations)
+_BLOCK_D = 512
+_BACKENDS = ("auto", "triton", "reference")
+
+
+# ---------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def _counts_kernel(
+    ids_ptr,  # *int64 [S]: expert id of each token-slot
+    counts_ptr,  # *int64 [E]: zero-filled histogram, accumulated with atomics
+    S,  # number of slots
+    E,  # number of experts
+    BLOCK: tl.constexpr,  # slots per program
+    E_POW2: tl.constexpr,  # next power of two >= E (histogram bins)
+):
+    """Histogram of expert ids: ``counts[e] = #{s : ids[s] == e}``.
+
+    Example: ids ``[2, 0, 2, 1, 2]``, E = 4 -> counts ``[1, 1, 3, 0]``.
+    Bytes: reads 8·S, writes 8·E per program (atomics).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < S
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+    hist = tl.histogram(ids.to(tl.int32), E_POW2, mask=mask)
+    bins = tl.arange(0, E_POW2)
+    tl.atomic_add(counts_ptr + bins, hist.to(tl.int64), mask=bins < E)
+
+
+@triton.jit
+def _permute_kernel(
+    x_ptr,  # *dtype [T, D] (contiguous): token rows
+    dest_ptr,  # *int64 [T, K]: destination row of each slot, -1 = dropped
+    out_ptr,  # *dtype [N, D] (contiguous): expert-ordered rows, every row written once
+    D,  # row length
+    K: tl.constexpr,  # slots per token (top-k)
+    BLOCK_D: tl.constexpr,  # row elements per program
+):
+    """Copy token ``t``'s row to each of its ``K`` destinations (program ``(t, column block)``).
+
+    Example: K = 2, dest ``[[0, 2], [1, -1]]`` -> out ``[x0, x1, x0]`` (token 1's second
+    choice was dropped). Bytes: reads D·size per token + 8·K, writes D·size per kept slot.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    row = tl.load(x_ptr + t * D + cols, mask=cmask)
+    for k in tl.static_range(K):
+        d = tl.load(dest_ptr + t * K + k)
+        # broadcast d before comparing: the interpreter turns `vector & scalar_bool` into int32
+        keep = cmask & (tl.broadcast_to(d, [BLOCK_D]) >= 0)
+        tl.store(out_ptr + d * D + cols, row, mask=keep)
+
+
+@triton.jit
+def _unpermute_kernel(
+    rows_ptr,  # *dtype [N, D] (contiguous): expert-ordered rows (expert outputs)
+    dest_ptr,  # *int64 [T, K]: row of each slot, -1 = dropped
+    w_ptr,  # *float [T, K]: gate weights (unused when HAS_W is False)
+    y_ptr,  # *dtype [T, D] (contiguous): combined token rows
+    D,  # row length
+    K: tl.constexpr,  # slots per token (top-k)
+    HAS_W: tl.constexpr,  # weight each slot (else weight 1)
+    BLOCK_D: tl.constexpr,  # row elements per program
+):
+    """``y[t] = sum_k w[t, k] * rows[dest[t, k]]``, accumulated in fp32 (program ``(t, block)``).
+
+    Example: K = 2, dest ``[[0, 2], [1, -1]]``, w ``[[.7, .3], [1., 0.]]`` ->
+    ``y = [.7·r0 + .3·r2, 1·r1]``. Bytes: reads D·size per kept slot + 16·K per token
+    (dest, weights), writes D·size per token.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for k in tl.static_range(K):
+        d = tl.load(dest_ptr + t * K + k)
+        keep = cmask & (tl.broadcast_to(d, [BLOCK_D]) >= 0)  # (broadcast: see _permute_kernel)
+        r = tl.load(rows_ptr + d * D + cols, mask=keep, other=0.0).to(tl.float32)
+        if HAS_W:
+            w = tl.load(w_ptr + t * K + k).to(tl.float32)
+            r = r * tl.where(d >= 0, w, 0.0)
+        acc += r
+    tl.store(y_ptr + t * D + cols, acc.to(y_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _unpermute_bwd_kernel(
+    grad_y_ptr,  # *dtype [T, D] (contiguous): gradient of the combined rows
+    rows_ptr,  # *dtype [N, D] (contiguous): the rows unpermute combined (saved input)
+    dest_ptr,  # *int64 [T, K]: row of each slot, -1 = dropped
+    w_ptr,  # *float [T, K]: gate weights
+    grad_rows_ptr,  # *dtype [N, D] (contiguous): out, gradient of the rows
+    grad_w_ptr,  # *float [T, K]: out, gradient of the gate weights
+    D,  # row length
+    K: tl.constexpr,  # slots per token (top-k)
+    BLOCK_D: tl.constexpr,  # row elements per loop iteration
+):
+    """Both gradients of weighted unpermute, one program per token (loop over D).
+
+    ``grad_rows[dest[t, k]] = w[t, k] · grad_y[t]`` and
+    ``grad_w[t, k] = <grad_y[t], rows[dest[t, k]]>`` (fp32 dot; 0 for a dropped slot).
+    Example: K = 1, dest ``[[1], [0]]``, w ``[[2.], [3.]]``, grad_y ``[g0, g1]`` ->
+    grad_rows ``[3·g1, 2·g0]``, grad_w ``[[<g0, r1>], [<g1, r0>]]``.
+    Bytes: reads K·D·size of grad_y (cached) + D·size per kept slot, writes D·size per
+    kept slot + K·4 per token.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    for k in tl.static_range(K):
+        d = tl.load(dest_ptr + t * K + k)
+        w = tl.load(w_ptr + t * K + k).to(tl.float32)
+        dot = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for c in range(0, D, BLOCK_D):
+            cols = c + tl.arange(0, BLOCK_D)
+            m = (cols < D) & (tl.broadcast_to(d, [BLOCK_D]) >= 0)  # (see _permute_kernel)
+            g = tl.load(grad_y_ptr + t * D + cols, mask=m, other=0.0).to(tl.float32)
+            r = tl.load(rows_ptr + d * D + cols, mask=m, other=0.0).to(tl.float32)
+            dot += g * r
+            tl.store(grad_rows_ptr + d * D + cols, (g * w).to(grad_rows_ptr.dtype.element_ty), mask=m)
+        tl.store(grad_w_ptr + t * K + k, tl.sum(dot, axis=0).to(grad_w_ptr.dtype.element_ty))
+
+
+# ---------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------
+def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
+    """Resolve ``backend`` for tensors on one device: True means launch the Triton kernel."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {_BACKENDS}")
+    if backend == "reference":
+        return False
+    on_cuda = tensors[0].is_cuda
+    if backend == "auto":
+        return on_cuda and HAVE_TRITON
+    if not HAVE_TRITON:
+        raise RuntimeError("backend='triton' needs triton: `pip install 'tribucket[triton]'`")
+    if not on_cuda and not _INTERPRET:
+        raise RuntimeError(
+            "backend='triton' on CPU tensors needs the Triton interpreter: set "
+            "TRITON_INTERPRET=1 in the environment before tribucket is imported")
+    return True
+
+
+def _check_dest(dest_TK: torch.Tensor, num_tokens: int, device: torch.device) -> None:
+    if dest_TK.dtype != torch.int64 or dest_TK.dim() != 2 or dest_TK.shape[0] != num_tokens:
+        raise ValueError(f"dest_TK must be int64 [T={num_tokens}, K], got {dest_TK.dtype} "
+                         f"{tuple(dest_TK.shape)}")
+    if dest_TK.device != device:
+        raise ValueError(f"dest_TK is on {dest_TK.device}, the rows on {device}")
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [rows, D], got shape {tuple(t.shape)}")
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def _check_weights(weights_TK: torch.Tensor | None, dest_TK: torch.Tensor) -> None:
+    if weights_TK is not None and (weights_TK.shape != dest_TK.shape
+                                   or not weights_TK.is_floating_point()):
+        raise ValueError(f"weights_TK must be floating point with dest_TK's shape "
+                         f"{tuple(dest_TK.shape)}, got {weights_TK.dtype} {tuple(weights_TK.shape)}")
+
+
+def moe_counts(expert_ids: torch.Tensor, num_experts: int, *, backend: str = "auto") -> torch.Tensor:
+    """Token-slots per expert: int64 ``[E]`` histogram of ``expert_ids`` (any shape, ids in [0, E))."""
+    if expert_ids.dtype != torch.int64:
+        raise TypeError(f"expert_ids must be int64, got {expert_ids.dtype}")
+    if not _use_triton(backend, expert_ids):
+        return moe_counts_reference(expert_ids, num_experts)
+    ids_S = expert_ids.reshape(-1).contiguous()
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_S.device)
+    S = ids_S.numel()
+    if S:
+        grid = (triton.cdiv(S, _COUNTS_BLOCK),)
+        e_pow2 = max(2, triton.next_power_of_2(num_experts))
+        _counts_kernel[grid](ids_S, counts_E, S, num_experts, BLOCK=_COUNTS_BLOCK, E_POW2=e_pow2)
+    return counts_E
+
+
+def moe_permute(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, *,
+                backend: str = "auto") -> torch.Tensor:
+    """Expert-ordered rows: ``out_ND[dest_TK[t, k]] = x_TD[t]`` for every kept slot.
+
+    ``dest_TK`` must map the kept slots one-to-one onto ``0 .. num_rows-1``.
+    """
+    _check_rows("x_TD", x_TD)
+    _check_dest(dest_TK, x_TD.shape[0], x_TD.device)
+    if not _use_triton(backend, x_TD):
+        return moe_permute_reference(x_TD, dest_TK, num_rows)
+    x_TD, dest_TK = x_TD.contiguous(), dest_TK.contiguous()
+    (T, D), K = x_TD.shape, dest_TK.shape[1]
+    out_ND = x_TD.new_empty((num_rows, D))
+    if T and D and K and num_rows:
+        _permute_kernel[(T, triton.cdiv(D, _BLOCK_D))](x_TD, dest_TK, out_ND, D, K=K, BLOCK_D=_BLOCK_D)
+    return out_ND
+
+
+def moe_unpermute(rows_ND: torch.Tensor, dest_TK: torch.Tensor,
+                  weights_TK: torch.Tensor | None = None, *, backend: str = "auto") -> torch.Tensor:
+    """Combined rows: ``y_TD[t] = sum_k weights_TK[t, k] · rows_ND[dest_TK[t, k]]`` (fp32 sum).
+
+    ``weights_TK=None`` weighs every kept slot 1 (with K = 1: a row gather). Dropped slots
+    contribute nothing; a token with every slot dropped gets a zero row.
+    """
+    _check_rows("rows_ND", rows_ND)
+    _check_dest(dest_TK, dest_TK.shape[0], rows_ND.device)
+    _check_weights(weights_TK, dest_TK)
+    if not _use_triton(backend, rows_ND):
+        return moe_unpermute_reference(rows_ND, dest_TK, weights_TK)
+    rows_ND, dest_TK = rows_ND.contiguous(), dest_TK.contiguous()
+    (T, K), D = dest_TK.shape, rows_ND.shape[1]
+    y_TD = rows_ND.new_empty((T, D))
+    if T and D:
+        w = weights_TK.contiguous() if weights_TK is not None else dest_TK  # dummy pointer
+        _unpermute_kernel[(T, triton.cdiv(D, _BLOCK_D))](
+            rows_ND, dest_TK, w, y_TD, D, K=K, HAS_W=weights_TK is not None, BLOCK_D=_BLOCK_D)
+    return y_TD
+
+
+def moe_unpermute_backward(grad_y_TD: torch.Tensor, rows_ND: torch.Tensor, dest_TK: torch.Tensor,
+                           weights_TK: torch.Tensor | None, *,
+                           backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of :func:`moe_unpermute`: ``(grad_rows_ND, grad_weights_TK)``.
+
+    Without weights, ``grad_rows_ND`` is ``moe_permute(grad_y_TD)`` and ``grad_weights_TK``
+    is ``None``; with weights one fused launch produces both.
+    """
+    _check_rows("grad_y_TD", grad_y_TD)
+    _check_rows("rows_ND", rows_ND)
+    _check_weights(weights_TK, dest_TK)
+    if weights_TK is None:
+        grad_rows_ND = moe_permute(grad_y_TD.to(rows_ND.dtype), dest_TK, rows_ND.shape[0],
+                                   backend=backend)
+        return grad_rows_ND, None
+    if not _use_triton(backend, rows_ND):
+        return moe_unpermute_backward_reference(grad_y_TD, rows_ND, dest_TK, weights_TK)
+    grad_y_TD, rows_ND = grad_y_TD.contiguous(), rows_ND.contiguous()
+    dest_TK, weights_TK = dest_TK.contiguous(), weights_TK.contiguous()
+    (T, K), D = dest_TK.shape, rows_ND.shape[1]
+    grad_rows_ND = torch.empty_like(rows_ND)
+    grad_w_TK = torch.zeros_like(weights_TK)
+    if T and K:
+        _unpermute_bwd_kernel[(T,)](grad_y_TD, rows_ND, dest_TK, weights_TK, grad_rows_ND,
+                                    grad_w_TK, D, K=K, BLOCK_D=_BLOCK_D)
+    return grad_rows_ND, grad_w_TK
+
+
+# ---------------------------------------------------------------------------------------
+# autograd
+# ---------------------------------------------------------------------------------------
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, dest_TK, num_rows, backend):
+        ctx.save_for_backward(dest_TK)
+        ctx.backend = backend
+        return moe_permute(x_TD, dest_TK, num_rows, backend=backend)
+
+    @staticmethod
+    def backward(ctx, grad_out_ND):
+        (dest_TK,) = ctx.saved_tensors
+        # every copy of token t sends its gradient back: an unweighted unpermute
+        grad_x_TD = moe_unpermute(grad_out_ND.contiguous(), dest_TK, None, backend=ctx.backend)
+        return grad_x_TD, None, None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows_ND, dest_TK, weights_TK, backend):
+        ctx.save_for_backward(rows_ND, dest_TK, weights_TK)
+        ctx.backend = backend
+        return moe_unpermute(rows_ND, dest_TK, weights_TK, backend=backend)
+
+    @staticmethod
+    def backward(ctx, grad_y_TD):
+        rows_ND, dest_TK, weights_TK = ctx.saved_tensors
+        grad_rows_ND, grad_w_TK = moe_unpermute_backward(
+            grad_y_TD, rows_ND, dest_TK, weights_TK, backend=ctx.backend)
+        if not ctx.needs_input_grad[2]:
+            grad_w_TK = None
+        return grad_rows_ND, None, grad_w_TK, None
+
+
+def permute_tokens(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, *,
+                   backend: str = "auto") -> torch.Tensor:
+    """Differentiable :func:`moe_permute`; gradients flow back to ``x_TD``."""
+    return _Permute.apply(x_TD, dest_TK, num_rows, backend)
+
+
+def unpermute_tokens(rows_ND: torch.Tensor, dest_TK: torch.Tensor,
+                     weights_TK: torch.Tensor | None = None, *, backend: str = "auto") -> torch.Tensor:
+    """Differentiable :func:`moe_unpermute`; gradients flow to ``rows_ND`` and ``weights_TK``."""
+    return _Unpermute.apply(rows_ND, dest_TK, weights_TK, backend)

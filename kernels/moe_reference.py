@@ -1,0 +1,111 @@
+"""PyTorch references for the MoE token kernels in ``kernels/moe.py``.
+
+Shape legend (suffixes on tensor names):
+    T  tokens on this rank          K  experts per token (top-k)
+    D  model dimension              E  experts (global)
+    S  token-slots, S = T * K       N  rows of the expert-ordered buffer (kept slots, N <= S)
+
+A token-slot ``s = t * K + k`` is token ``t``'s ``k``-th choice. ``dest_TK[t, k]`` is the row of
+the expert-ordered buffer that slot goes to, or ``-1`` when capacity dropped it; the kept
+slots map one-to-one onto rows ``0 .. N-1``.
+
+These are the contracts the Triton kernels implement, and the path the launchers take for
+CPU tensors, so they are vectorised (``index_select``, ``bmm``, ``bincount``), never a
+Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "moe_counts_reference",
+    "moe_permute_reference",
+    "moe_unpermute_reference",
+    "moe_unpermute_backward_reference",
+]
+
+
+def moe_counts_reference(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens-slots per expert: an int64 ``[E]`` histogram of ``expert_ids`` (any shape)."""
+    return torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(torch.int64)
+
+
+def _slots_of_rows(dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Inverse of ``dest_TK``: the slot ``t * K + k`` that fills each of the ``N`` rows."""
+    dest_S = dest_TK.reshape(-1)
+    slot_S = torch.arange(dest_S.numel(), device=dest_S.device)
+    kept_S = dest_S >= 0
+    slot_N = torch.empty(num_rows, dtype=torch.int64, device=dest_S.device)
+    slot_N[dest_S[kept_S]] = slot_S[kept_S]
+    return slot_N
+
+
+def moe_permute_reference(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``out_ND[dest_TK[t, k]] = x_TD[t]`` for every kept slot (a token is copied once per choice)."""
+    K = dest_TK.shape[1]
+    token_N = _slots_of_rows(dest_TK, num_rows) // K
+    return x_TD.index_select(0, token_N)
+
+
+def _gather_TKD(rows_ND: torch.Tensor, dest_TK: torch.Tensor) -> torch.Tensor:
+    """``rows_ND[dest_TK]`` as fp32 ``[T, K, D]``, zero for dropped slots."""
+    T, K = dest_TK.shape
+    D = rows_ND.shape[1]
+    kept_TK = dest_TK >= 0
+    if rows_ND.shape[0] == 0:  # every slot dropped (or no tokens): nothing to gather
+        return rows_ND.new_zeros((T, K, D), dtype=torch.float32)
+    g_TKD = rows_ND.index_select(0, dest_TK.clamp(min=0).reshape(-1)).view(T, K, D).float()
+    if not bool(kept_TK.all()):
+        # zero the dropped slots' stand-in rows (row 0): 0 * inf would be nan
+        g_TKD = g_TKD.masked_fill(~kept_TK.unsqueeze(-1), 0.0)
+    return g_TKD
+
+
+def _effective_weights(dest_TK: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.Tensor:
+    """fp32 gate weights with dropped slots zeroed (all ones when ``weights_TK`` is None)."""
+    kept_TK = dest_TK >= 0
+    if weights_TK is None:
+        return kept_TK.to(torch.float32)
+    return weights_TK.float().masked_fill(~kept_TK, 0.0)
+
+
+def moe_unpermute_reference(rows_ND: torch.Tensor, dest_TK: torch.Tensor,
+                            weights_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """``y_TD[t] = sum_k weights_TK[t, k] * rows_ND[dest_TK[t, k]]`` over kept slots.
+
+    Accumulates in fp32 and returns ``rows_ND.dtype``; ``weights_TK=None`` means weight 1.
+    """
+    T, K = dest_TK.shape
+    D = rows_ND.shape[1]
+    if K == 1 and weights_TK is None and rows_ND.shape[0] == T:
+        # a pure row gather (every slot kept): no arithmetic, so no fp32 round trip needed
+        return rows_ND.index_select(0, dest_TK.reshape(-1))
+    w_T1K = _effective_weights(dest_TK, weights_TK).view(T, 1, K)
+    y_TD = torch.bmm(w_T1K, _gather_TKD(rows_ND, dest_TK)).view(T, D)
+    return y_TD.to(rows_ND.dtype)
+
+
+def moe_unpermute_backward_reference(
+    grad_y_TD: torch.Tensor, rows_ND: torch.Tensor, dest_TK: torch.Tensor,
+    weights_TK: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of :func:`moe_unpermute_reference`.
+
+    ``grad_rows_ND[dest_TK[t, k]] = weights_TK[t, k] * grad_y_TD[t]`` (``rows_ND.dtype``) and
+    ``grad_weights_TK[t, k] = <grad_y_TD[t], rows_ND[dest_TK[t, k]]>`` (fp32 dot, 0 for a
+    dropped slot, ``weights_TK.dtype``; ``None`` when ``weights_TK`` is None).
+    """
+    T, K = dest_TK.shape
+    D = rows_ND.shape[1]
+    N = rows_ND.shape[0]
+    slot_N = _slots_of_rows(dest_TK, N)
+    g_ND = grad_y_TD.index_select(0, slot_N // K)
+    if weights_TK is None:
+        grad_rows_ND = g_ND.to(rows_ND.dtype)
+        return grad_rows_ND, None
+    w_N1 = weights_TK.reshape(-1).float().index_select(0, slot_N).unsqueeze(1)
+    grad_rows_ND = (g_ND.float() * w_N1).to(rows_ND.dtype)
+    # <grad_y[t], rows[dest[t, k]]> for every slot at once: [T, K, D] @ [T, D, 1]
+    dots_TK = torch.bmm(_gather_TKD(rows_ND, dest_TK), grad_y_TD.float().view(T, D, 1)).view(T, K)
+    return grad_rows_ND, dots_TK.to(weights_TK.dtype)

@@ -1,0 +1,233 @@
+"""Training-step time: tribucket against torch DDP, on gloo CPU processes, in one run.
+
+Two ranks (one intra-op thread each) train the same model on the same data with:
+
+* ``local``            forward + backward + SGD step, no communication (the floor)
+* ``raw allreduce``    one allreduce of all gradients as a single flat tensor (the wire cost)
+* ``tribucket``        ``fused_bucketing`` with the default averaging allreduce
+* ``DDP``              ``DistributedDataParallel`` with its default configuration
+* ``DDP view``         DDP with ``gradient_as_bucket_view=True``
+* ``tribucket fp16``   the fused ``tribucket.hooks.fp16_compress_hook``
+* ``DDP fp16``         DDP with torch's ``fp16_compress_hook``
+
+Variants run round-robin (one step of each per round) so drift in machine load hits all of
+them alike; the figure is the median over rounds after warm-up, of rank 0's step time.
+
+    python perf/bench_step.py                 # both models, writes perf/results/step.*
+    python perf/bench_step.py --rounds 5      # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+VARIANTS = ["local", "raw allreduce", "tribucket", "DDP", "DDP view", "tribucket fp16",
+            "DDP fp16"]
+
+
+def make_model(name: str) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    if name == "mlp":
+        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(64)])
+        x = torch.randn(64, 256)
+    else:
+        layer = nn.TransformerEncoderLayer(d_model=512, nhead=8, batch_first=True, dropout=0.0)
+        model = nn.TransformerEncoder(layer, num_layers=6, enable_nested_tensor=False)
+        x = torch.randn(4, 32, 512)
+    return model, x
+
+
+def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warmup: int,
+            out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    import tribucket
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    steps, extra = {}, {}
+
+    def add(name, module, forward, opt, reducer=None):
+        steps[name] = (module, forward, opt, reducer)
+
+    def fresh():
+        model, x = make_model(model_name)
+        return model, x
+
+    # local
+    m, x = fresh()
+    add("local", m, m, torch.optim.SGD(m.parameters(), lr=1e-4))
+    # raw allreduce of one flat tensor holding every gradient
+    m, x = fresh()
+    flat = torch.zeros(sum(p.numel() for p in m.parameters()))
+    add("raw allreduce", m, m, torch.optim.SGD(m.parameters(), lr=1e-4))
+    # tribucket
+    m, x = fresh()
+    r = tribucket.Reducer(m)
+    add("tribucket", m, m, torch.optim.SGD(m.parameters(), lr=1e-4), r)
+    # DDP
+    m, x = fresh()
+    d = nn.parallel.DistributedDataParallel(m)
+    add("DDP", m, d, torch.optim.SGD(m.parameters(), lr=1e-4))
+    m, x = fresh()
+    d = nn.parallel.DistributedDataParallel(m, gradient_as_bucket_view=True)
+    add("DDP view", m, d, torch.optim.SGD(m.parameters(), lr=1e-4))
+    # fp16
+    m, x = fresh()
+    r16 = tribucket.Reducer(m)
+    r16.register_comm_hook(None, tribucket.hooks.fp16_compress_hook)
+    add("tribucket fp16", m, m, torch.optim.SGD(m.parameters(), lr=1e-4), r16)
+    m, x = fresh()
+    d16 = nn.parallel.DistributedDataParallel(m)
+    d16.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    add("DDP fp16", m, d16, torch.optim.SGD(m.parameters(), lr=1e-4))
+
+    def run(name):
+        module, forward, opt, reducer = steps[name]
+        opt.zero_grad(set_to_none=True)
+        forward(x).float().square().mean().backward()
+        if name == "raw allreduce":
+            dist.all_reduce(flat)
+        opt.step()
+
+    times = {k: [] for k in steps}
+    stats = {k: [] for k in steps if steps[k][3] is not None}
+    for it in range(warmup + rounds):
+        for name in VARIANTS:
+            dist.barrier()
+            t0 = time.perf_counter()
+            run(name)
+            dt = time.perf_counter() - t0
+            if it >= warmup:
+                times[name].append(dt)
+                if name in stats:
+                    stats[name].append(steps[name][3].stats.as_dict())
+    if rank == 0:
+        bucket_bytes = {
+            "tribucket": r.stats.bucket_bytes_allocated,
+            "tribucket fp16": r16.stats.bucket_bytes_allocated,
+            # DDP's buckets are full-precision; its fp16 hook allocates a half-precision
+            # copy of each bucket per call on top
+            "DDP": sum(p.numel() * p.element_size() for p in steps["DDP"][0].parameters()),
+        }
+        bucket_bytes["DDP fp16"] = bucket_bytes["DDP"] + bucket_bytes["DDP"] // 2
+        out = {
+            "model": model_name,
+            "params": sum(p.numel() for p in steps["local"][0].parameters()),
+            "tensors": len(list(steps["local"][0].parameters())),
+            "median_s": {k: statistics.median(v) for k, v in times.items()},
+            "all_s": times,
+            "tribucket_stats": {k: {f: statistics.median(s[f] for s in v) for f in
+                                    ("backward_compute_s", "comm_exposed_s", "status_check_s")}
+                                for k, v in stats.items()},
+            "buckets": {k: steps[k][3].stats.buckets for k in stats},
+            "bucket_bytes": bucket_bytes,
+        }
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+    for _, _, _, reducer in steps.values():
+        if reducer is not None:
+            reducer.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(model_name: str, rounds: int, warmup: int, world: int = 2) -> dict:
+    tmp = RESULTS / f".step_{model_name}.json"
+    mp.spawn(_worker, args=(world, _free_port(), model_name, rounds, warmup, str(tmp)),
+             nprocs=world)
+    data = json.loads(tmp.read_text())
+    tmp.unlink()
+    return data
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| model | variant | step (ms) | vs local | vs DDP | bucket memory |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for res in results:
+        med = res["median_s"]
+        for v in VARIANTS:
+            ref = "DDP fp16" if v == "tribucket fp16" else "DDP"
+            vs_ddp = f"{med[v] / med[ref]:.2f}×" if v.startswith("tribucket") else ""
+            mem = res["bucket_bytes"].get(v)
+            mem_s = f"{mem / 2**20:.1f} MiB" if mem is not None else ""
+            lines.append(f"| {res['model']} ({res['tensors']} tensors, "
+                         f"{res['params'] / 1e6:.1f} M params) | {v} | {med[v] * 1e3:.1f} | "
+                         f"{med[v] / med['local']:.2f}× | {vs_ddp} | {mem_s} |")
+    lines.append("")
+    lines.append("tribucket's own accounting (median over rounds, rank 0): backward compute / "
+                 "communication exposed after backward / of which the end-of-backward status "
+                 "check:")
+    lines.append("")
+    for res in results:
+        for k, s in res["tribucket_stats"].items():
+            lines.append(f"- {res['model']}, {k}: {s['backward_compute_s'] * 1e3:.1f} ms / "
+                         f"{s['comm_exposed_s'] * 1e3:.1f} ms / {s['status_check_s'] * 1e3:.2f} "
+                         f"ms ({res['buckets'][k]} buckets)")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4))
+    if len(results) == 1:
+        axes = [axes]
+    for ax, res in zip(axes, results):
+        vals = [res["median_s"][v] * 1e3 for v in VARIANTS]
+        colors = ["#999999", "#bbbbbb", "#1f77b4", "#d62728", "#ff9896", "#6baed6", "#e377c2"]
+        ax.bar(range(len(VARIANTS)), vals, color=colors)
+        ax.set_xticks(range(len(VARIANTS)), VARIANTS, rotation=30, ha="right")
+        ax.set_ylabel("step time, ms (median)")
+        ax.set_title(f"{res['model']}: 2 gloo ranks, 1 thread each")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="mlp,transformer")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args(argv)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in args.models.split(","):
+        t0 = time.time()
+        res = measure(name, args.rounds, args.warmup)
+        print(f"{name}: done in {time.time() - t0:.0f}s", file=sys.stderr)
+        results.append(res)
+    meta = {"torch": torch.__version__, "machine": platform.machine(),
+            "cpus": os.cpu_count(), "rounds": args.rounds, "warmup": args.warmup}
+    (RESULTS / "step.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    md = table(results)
+    (RESULTS / "step.md").write_text(md + "\n")
+    plot(results, RESULTS / "step.png")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Uneven inputs (Join), peer failure without hangs, divergence detection, resumable state."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import tribucket
+from tribucket import hooks
+from models import batch, build, loss_of
+from test_reducer import assert_states_equal
+
+
+# ---------------------------------------------------------------- Join: uneven inputs
+def _join_vs_ddp(name, kwargs, divide_by_initial, hook=None):
+    rank = dist.get_rank()
+    n_batches = 2 + rank  # every rank has a different number of batches
+    mine, theirs = build(name), build(name)
+    ddp = DDP(theirs, **kwargs)
+    opt_a = torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)
+    with tribucket.fused_bucketing(mine, **kwargs) as reducer:
+        if hook is not None:
+            reducer.register_comm_hook(None, getattr(hooks, hook))
+            ddp.register_comm_hook(None, getattr(hooks, hook))
+        with Join([reducer], divide_by_initial_world_size=divide_by_initial):
+            for step in range(n_batches):
+                loss_of(mine(batch(name, rank, step))).backward()
+                opt_a.step()
+                opt_a.zero_grad()
+        with ddp.join(divide_by_initial_world_size=divide_by_initial):
+            for step in range(n_batches):
+                loss_of(ddp(batch(name, rank, step))).backward()
+                opt_b.step()
+                opt_b.zero_grad()
+        assert_states_equal(mine, theirs, f"rank {rank} after Join: ")
+        return [p.detach().clone() for p in mine.parameters()]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("divide_by_initial", [True, False])
+def test_join_matches_ddp_join(dist_run, world_size, divide_by_initial):
+    cases = [("mlp", dict(bucket_cap_mb=0.001)), ("bn", {}),
+             ("branchy", dict(find_unused_parameters=True))]
+    for name, kwargs in cases:
+        results = dist_run(_join_vs_ddp, name, kwargs, divide_by_initial,
+                           world_size=world_size)
+        for r in results[1:]:  # the final sync leaves every rank with the same model
+            assert all(torch.equal(a, b) for a, b in zip(results[0], r))
+
+
+def test_join_with_fused_fp16_hook(dist_run):
+    dist_run(_join_vs_ddp, "mlp", dict(bucket_cap_mb=0.001), True, hook="allreduce_hook",
+             world_size=3)
+
+
+def _join_throw():
+    rank = dist.get_rank()
+    model = build("mlp")
+    try:
+        with tribucket.fused_bucketing(model) as reducer:
+            with Join([reducer], throw_on_early_termination=True):
+                for step in range(2 + rank):
+                    loss_of(model(batch("mlp", rank, step))).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_join_throw_on_early_termination(dist_run):
+    messages = dist_run(_join_throw, world_size=2)
+    assert "exhausted" in messages[0]  # rank 0 ran out first
+    assert "Detected at least one rank that exhausted inputs" in messages[1]
+
+
+# ---------------------------------------------------------------- peer failure
+def _peer_fails(mode, timeout_s=3.0):
+    rank = dist.get_rank()
+    model = build("mlp")
+    t0 = None
+    try:
+        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
+                                       timeout=datetime.timedelta(seconds=timeout_s)):
+            for step in range(6):
+                if step == 3 and rank == 1:
+                    if mode == "exit":
+                        os._exit(7)
+                    time.sleep(timeout_s * 2.5)  # stalls past the others' timeout
+                    return "slept"
+                t0 = time.monotonic()
+                loss_of(model(batch("mlp", rank, step))).backward()
+    except RuntimeError as e:
+        return str(e), time.monotonic() - t0
+    return "no error"
+
+
+@pytest.mark.parametrize("mode", ["exit", "stall"])
+def test_peer_failure_raises_instead_of_hanging(dist_run, mode):
+    t0 = time.monotonic()
+    results = dist_run(_peer_fails, mode, world_size=3, timeout=60, teardown=True,
+                       expect_dead=(1,) if mode == "exit" else ())
+    assert time.monotonic() - t0 < 45
+    for rank in (0, 2):
+        message, seconds = results[rank]
+        assert "tribucket" in message and "bucket" in message, message
+        assert "rank 1" in message, message  # the progress marks name the missing rank
+        if mode == "stall":
+            assert seconds < 3.0 + 5.0  # within the timeout, not a hang
+    if mode == "stall":
+        assert results[1] == "slept"
+
+
+# ---------------------------------------------------------------- divergence detection
+def _diverged(kind):
+    rank = dist.get_rank()
+    model = build("mlp")
+    try:
+        with tribucket.fused_bucketing(model, debug=True,
+                                       timeout=datetime.timedelta(seconds=20)) as reducer:
+            if kind == "hooks" and rank == 1:
+                reducer.register_comm_hook(None, hooks.fp16_compress_hook)
+            for step in range(4):
+                x = batch("mlp", rank, step)
+                if kind == "no_sync" and rank == 1 and step == 1:
+                    with reducer.no_sync():  # control flow differs on rank 1
+                        loss_of(model(x)).backward()
+                    continue
+                loss_of(model(x)).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["no_sync", "hooks"])
+def test_debug_names_first_differing_bucket(dist_run, kind):
+    messages = dist_run(_diverged, kind, world_size=2, timeout=60)
+    for msg in messages:
+        assert msg is not None and "diverged" in msg and "bucket 0" in msg, msg
+        assert "rank 0:" in msg and "rank 1:" in msg
+    if kind == "hooks":
+        assert "float16" in messages[0] and "float32" in messages[0]
+
+
+def _debug_logs_bucket_timings():
+    import logging
+
+    records = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = logging.getLogger("tribucket")
+    handler = Grab()
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        model = build("mlp")
+        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, debug=True) as reducer:
+            for step in range(2):
+                loss_of(model(batch("mlp", dist.get_rank(), step))).backward()
+            timings = reducer.stats.bucket_comm_s
+    finally:
+        log.removeHandler(handler)
+    return [r for r in records if "bucket" in r and "ms from launch" in r], timings
+
+
+def test_debug_logs_per_bucket_timings(dist_run):
+    lines, timings = dist_run(_debug_logs_bucket_timings, world_size=2)[0]
+    assert len(timings) > 1 and all(t >= 0 for t in timings)
+    assert any("layers." in line or "head." in line for line in lines)
+
+
+# ---------------------------------------------------------------- resumable state
+def _make_hook(kind):
+    if kind == "gossip":
+        return hooks.GossipState(), hooks.gossip_hook
+    if kind == "powersgd":
+        return (psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                   start_powerSGD_iter=2, random_seed=5), psgd.powerSGD_hook)
+    return None, None
+
+
+def _train(kind, steps, start, path=None, save_at=None):
+    rank = dist.get_rank()
+    model = build("mlp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001) as reducer:
+        state, hook = _make_hook(kind)
+        if hook is not None:
+            reducer.register_comm_hook(state, hook)
+        if start > 0:
+            saved = torch.load(f"{path}.{rank}", weights_only=False)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            reducer.load_state_dict(saved["reducer"])
+        for step in range(start, start + steps):
+            loss_of(model(batch("mlp", rank, step))).backward()
+            opt.step()
+            opt.zero_grad()
+            if save_at is not None and step + 1 == save_at:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                            "reducer": reducer.state_dict()}, f"{path}.{rank}")
+        return [p.detach().clone() for p in model.parameters()], reducer.stats.rebuilds
+
+
+@pytest.mark.parametrize("kind,world_size", [("default", 2), ("gossip", 3), ("powersgd", 2)])
+def test_resume_is_bit_exact(dist_run, kind, world_size):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        straight = dist_run(_train, kind, 6, 0, world_size=world_size)
+        dist_run(_train, kind, 3, 0, path, 3, world_size=world_size, teardown=True)
+        resumed = dist_run(_train, kind, 3, 3, path, world_size=world_size)  # fresh processes
+    for (a, _), (b, rebuilds) in zip(straight, resumed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert rebuilds == 1  # the rebuilt layout came from the checkpoint, not a new rebuild
+
+
+def _load_mismatched_state():
+    a = tribucket.Reducer(build("mlp"))
+    b = tribucket.Reducer(build("tied"))
+    try:
+        b.load_state_dict(a.state_dict())
+    except ValueError as e:
+        return str(e)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_load_state_dict_rejects_other_model(dist_run):
+    msg = dist_run(_load_mismatched_state, world_size=2)[0]
+    assert "other parameters" in msg

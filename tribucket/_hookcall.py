@@ -1,0 +1,125 @@
+"""Calling communication hooks, checking what they return, and the reducer's own hooks."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .grad_bucket import GradBucket
+from .layout import Bucket
+
+__all__ = ["HookRef", "SparseWork", "hook_name", "invoke", "invoke_after", "check_result"]
+
+
+def hook_name(hook: Callable | None) -> str:
+    if hook is None:
+        return "allreduce (default)"
+    return getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or repr(hook)
+
+
+def invoke(hook: Callable, state: Any, b: int, gb: GradBucket) -> torch.futures.Future:
+    """Call ``hook(state, bucket)`` now and check that it returned a Future."""
+    try:
+        fut = hook(state, gb)
+    except Exception as e:
+        raise RuntimeError(f"comm hook {hook_name(hook)} raised on bucket {b}: "
+                           f"{type(e).__name__}: {e}") from e
+    if not isinstance(fut, torch._C.Future):
+        raise RuntimeError(f"comm hook {hook_name(hook)} returned {type(fut).__name__} for "
+                           f"bucket {b}; a hook must return a torch.futures.Future whose value "
+                           "is the bucket's new tensor")
+    return fut
+
+
+def invoke_after(prev: torch.futures.Future | None, hook: Callable, state: Any, b: int,
+                 gb: GradBucket) -> torch.futures.Future:
+    """Call the hook only once ``prev`` (the previous bucket's hook future) has completed.
+
+    A hook whose callbacks launch collectives (PowerSGD) would otherwise interleave them with
+    the next bucket's collectives in a different order on different ranks. The call happens
+    on the thread that completes ``prev`` (the communication library's worker), so backward
+    is not stalled. Returns a future completed with the hook future's value.
+    """
+    chain: torch.futures.Future = torch.futures.Future()
+    name = hook_name(hook)
+
+    def finish(fut: torch.futures.Future) -> None:
+        try:
+            chain.set_result(fut.value())
+        except Exception as e:  # noqa: BLE001 - handed to the waiting main thread
+            chain.set_exception(e)
+
+    def call(_prev: Any = None) -> None:
+        try:
+            fut = hook(state, gb)
+            if not isinstance(fut, torch._C.Future):
+                raise TypeError(f"returned {type(fut).__name__}, not a torch.futures.Future")
+            fut.add_done_callback(finish)
+        except Exception as e:  # noqa: BLE001
+            chain.set_exception(RuntimeError(f"comm hook {name} raised on bucket {b}: "
+                                             f"{type(e).__name__}: {e}"))
+
+    if prev is None or prev.done():
+        call()
+    else:
+        prev.add_done_callback(call)
+    return chain
+
+
+def check_result(hook: Callable | None, b: int, bucket: Bucket, value: Any) -> torch.Tensor:
+    """The tensor a hook's future completed with, or a clear error naming the bucket."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    name = hook_name(hook)
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(f"comm hook {name} completed bucket {b} with {type(value).__name__}; "
+                           f"expected a tensor of {bucket.numel} elements")
+    if bucket.sparse:
+        return value
+    if value.numel() != bucket.numel:
+        raise RuntimeError(f"comm hook {name} completed bucket {b} with a tensor of "
+                           f"{value.numel()} elements (shape {list(value.shape)}); the bucket "
+                           f"holds {bucket.numel} elements of {bucket.dtype}")
+    if not value.is_floating_point():
+        raise RuntimeError(f"comm hook {name} completed bucket {b} with a {value.dtype} tensor; "
+                           f"expected a floating-point tensor (the bucket is {bucket.dtype})")
+    return value.reshape(-1)
+
+
+class SparseWork:
+    """The allreduce of a sparse gradient: its result is a new tensor, not the input."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self):
+        return self.work.wait()
+
+
+class HookRef:
+    """A hook the reducer installs on the model, its parameters or autograd nodes.
+
+    It holds the reducer only while attached (``close()`` cuts it), and copying or
+    pickling the model (``copy.deepcopy(model)`` for an EMA copy, ``torch.save(model)``)
+    gives the copy an inert hook instead of a copy of the reducer.
+    """
+
+    __slots__ = ("reducer", "method", "args")
+
+    def __init__(self, reducer: Any, method: str, args: tuple = ()):
+        self.reducer, self.method, self.args = reducer, method, args
+
+    def __call__(self, *a: Any) -> Any:
+        r = self.reducer
+        if r is None:
+            return None
+        return getattr(r, self.method)(*self.args, *a)
+
+    def __deepcopy__(self, memo: dict) -> "HookRef":
+        return HookRef(None, self.method)
+
+    def __reduce__(self):
+        return (HookRef, (None, self.method))

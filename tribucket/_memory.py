@@ -1,0 +1,144 @@
+"""The memory of one bucket: its flat buffer, and the ``.grad`` views lent out of it.
+
+After the reduction, the averaged buffer is not copied back into the gradients: the
+parameters' ``.grad`` become views into it (the buffer is *lent* to the gradients), which
+saves one full pass over the bucket. What happens next depends on what the user does:
+
+* ``zero_grad(set_to_none=True)`` (torch's default) drops the views; the buffer is then
+  referenced by the reducer alone and the next pack writes into it (no allocation);
+* ``zero_grad(set_to_none=False)`` zeroes the views in place and autograd accumulates the
+  next gradients straight into the bucket: the next pack is an in-place scale, no copy;
+* if the user keeps a reference to a gradient, the buffer stays theirs and the next pack
+  gets a fresh buffer: the reducer never writes into memory a user may still be reading,
+  except through the ``.grad`` tensors themselves, whose values DDP would also overwrite.
+
+``gradient_as_bucket_view=True`` keeps DDP's contract instead: the bucket always backs the
+``.grad`` views and is reused whatever the user holds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import Bucket
+
+__all__ = ["BucketMemory"]
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class BucketMemory:
+    __slots__ = ("bucket", "params", "dtype", "plan", "always_view", "transfer", "active",
+                 "lent", "_ptr_offsets", "_contiguous", "_gaps", "_base_count")
+
+    def __init__(self, bucket: Bucket, params: list[torch.Tensor], wire_dtype: torch.dtype,
+                 plan, always_view: bool):
+        self.bucket = bucket             # layout of the bucket
+        self.params = params             # its parameters, in layout order
+        self.dtype = wire_dtype          # dtype of the flat buffer (the wire)
+        self.plan = plan                 # kernels.BucketPlan: one-launch pack/unpack
+        self.always_view = always_view   # gradient_as_bucket_view=True
+        # the result can become the gradients only if it has their dtype
+        self.transfer = all(p.dtype == wire_dtype for p in params)
+        self.active: torch.Tensor | None = None  # buffer the pack writes / comm reduces
+        self.lent: torch.Tensor | None = None    # buffer whose slices are the params' .grad
+        item = torch.empty((), dtype=wire_dtype).element_size()
+        self._ptr_offsets = [off * item for off in bucket.offsets]  # byte offset per param
+        self._contiguous = [p.is_contiguous() for p in params]
+        self._gaps = self._gap_index(bucket)  # padding positions to zero in a new buffer
+        self._base_count = None            # storage use count of a buffer nobody else holds
+
+    @staticmethod
+    def _gap_index(bucket: Bucket) -> torch.Tensor | None:
+        gaps, pos = [], 0
+        for off, size in zip(bucket.offsets, bucket.sizes):
+            gaps.extend(range(pos, off))
+            pos = off + size
+        gaps.extend(range(pos, bucket.numel))
+        if not gaps:
+            return None
+        return torch.tensor(gaps, dtype=torch.long, device=bucket.device)
+
+    def capacity_bytes(self) -> int:
+        """Bytes of the bucket's buffer in its wire dtype."""
+        return self.bucket.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def _new_buffer(self) -> torch.Tensor:
+        buf = torch.empty(self.bucket.numel, dtype=self.dtype, device=self.bucket.device)
+        if self._gaps is not None:
+            buf.index_fill_(0, self._gaps, 0)  # padding is summed too: keep it finite
+        if self._base_count is None:
+            self._base_count = _use_count(buf)
+        return buf
+
+    def _is_free(self, buf: torch.Tensor) -> bool:
+        return self._base_count is not None and _use_count(buf) <= self._base_count
+
+    def is_view(self, k: int, g: torch.Tensor | None, buf: torch.Tensor | None) -> bool:
+        """Whether gradient ``g`` of parameter ``k`` is its slice of ``buf``."""
+        return (g is not None and buf is not None and g.dtype == buf.dtype
+                and g.data_ptr() == buf.data_ptr() + self._ptr_offsets[k])
+
+    def pack(self, grads: list, scale: float, found_inf) -> torch.Tensor:
+        """Put the bucket's gradients (``None``: zeros) into the buffer, times ``scale``."""
+        lent = self.lent
+        if lent is not None and self.transfer and all(
+                g is None or self.is_view(k, g, lent) for k, g in enumerate(grads)):
+            # autograd accumulated straight into the bucket: scale in place, no copy
+            self.lent, self.active = None, lent
+            for k, g in enumerate(grads):
+                if g is None:
+                    lent.narrow(0, self.bucket.offsets[k], self.bucket.sizes[k]).zero_()
+            if scale != 1.0:
+                lent.mul_(scale)
+            if found_inf is not None and not bool(torch.isfinite(lent).all()):
+                found_inf.fill_(1.0)
+            return lent
+        buf = self.active
+        if buf is None:
+            if lent is not None and (self.always_view or self._is_free(lent)):
+                buf, self.lent = lent, None
+            else:
+                buf = self._new_buffer()
+            self.active = buf
+        self.plan.pack(grads, buf, scale=scale, found_inf=found_inf)
+        return buf
+
+    def finish(self, result: torch.Tensor, targets: list[bool]) -> None:
+        """Make ``result`` (the reduced bucket) the gradients of the ``targets`` params."""
+        buf = self.active
+        if self.transfer and buf is not None and result.data_ptr() == buf.data_ptr() \
+                and result.dtype == buf.dtype:
+            for k, q in enumerate(self.params):
+                if not targets[k]:
+                    continue  # unused on every rank: .grad is left as it was
+                g = q.grad
+                if self.is_view(k, g, buf):
+                    continue
+                view = buf.narrow(0, self.bucket.offsets[k], self.bucket.sizes[k]).view(q.shape)
+                if self._contiguous[k] or self.always_view:
+                    q.grad = view
+                elif g is None:
+                    q.grad = view.clone(memory_format=torch.preserve_format)
+                else:
+                    g.copy_(view)
+            self.lent, self.active = buf, None
+            return
+        if self.always_view and buf is not None and result.numel() == buf.numel():
+            buf.copy_(result)  # a hook returned another tensor: the bucket backs .grad
+            self.finish(buf, targets)
+            return
+        grads = []
+        for k, q in enumerate(self.params):
+            if not targets[k]:
+                grads.append(None)
+                continue
+            if q.grad is None:
+                q.grad = torch.empty_like(q)  # used on another rank only: gets the average
+            grads.append(q.grad)
+        self.plan.unpack(result, grads)
+
+    def reset(self) -> None:
+        self.active = self.lent = None

@@ -1,0 +1,103 @@
+"""Uneven all-to-all with autograd, the counts exchange in front of it, and error agreement.
+
+All three are collectives on ``group`` (the default world when ``None``): every rank of the
+group must call them in the same order. With one rank (or ``torch.distributed`` not
+initialised) they are local no-ops, so single-process code runs unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_to_all", "exchange_counts", "ranks_reporting", "group_rank_and_size"]
+
+
+def group_rank_and_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """``(rank in group, group size)``; ``(0, 1)`` when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise RuntimeError("a process group was given but torch.distributed is not initialised")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _exchange(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+              group: dist.ProcessGroup | None) -> torch.Tensor:
+    out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv_splits),
+                           input_split_sizes=list(send_splits), group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group):
+        ctx.splits = (tuple(send_splits), tuple(recv_splits))
+        ctx.group = group
+        return _exchange(x, send_splits, recv_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        send_splits, recv_splits = ctx.splits
+        # the reverse exchange: each row's gradient goes back to the rank the row came from
+        return _exchange(grad_out, recv_splits, send_splits, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+               group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Send ``x[rows of send_splits[r]]`` to rank ``r``; return the rows received, by source rank.
+
+    ``x`` is split along dim 0 (``sum(send_splits) == x.shape[0]``); the result has
+    ``sum(recv_splits)`` rows, rank 0's first. Differentiable: the backward is the reverse
+    exchange. Zero-row splits (and ranks that send or receive nothing) are fine.
+
+    Example (2 ranks)::
+
+        rank 0: x = [a0, a1, a2], send_splits = [1, 2], recv_splits = [1, 1] -> [a0, b0]
+        rank 1: x = [b0, b1],     send_splits = [1, 1], recv_splits = [2, 1] -> [a1, a2, b1]
+    """
+    if sum(send_splits) != x.shape[0]:
+        raise ValueError(f"send_splits {list(send_splits)} add up to {sum(send_splits)}, "
+                         f"but x has {x.shape[0]} rows")
+    _, world = group_rank_and_size(group)
+    if len(send_splits) != world or len(recv_splits) != world:
+        raise ValueError(f"send_splits and recv_splits need one entry per rank ({world}), got "
+                         f"{len(send_splits)} and {len(recv_splits)}")
+    if world == 1:
+        return x
+    return _AllToAll.apply(x, send_splits, recv_splits, group)
+
+
+def exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """All-to-all of equal-sized count rows: ``send_counts[r]`` goes to rank ``r``.
+
+    ``send_counts`` is ``[W, ...]`` (int64); the result has the same shape and row ``r`` holds
+    what rank ``r`` sent to this rank. Not differentiable (counts are integers).
+    """
+    _, world = group_rank_and_size(group)
+    if send_counts.shape[0] != world:
+        raise ValueError(f"send_counts needs one row per rank ({world}), got {tuple(send_counts.shape)}")
+    if world == 1:
+        return send_counts.clone()
+    out = torch.empty_like(send_counts)
+    dist.all_to_all_single(out, send_counts.contiguous(), group=group)
+    return out
+
+
+def ranks_reporting(problem: bool, group: dist.ProcessGroup | None = None,
+                    device: torch.device | str = "cpu") -> list[int]:
+    """The ranks (in ``group``) for which ``problem`` is true; a collective (one all-reduce).
+
+    Lets every rank learn that some rank found an error before a collective it would
+    otherwise enter alone, so all ranks raise instead of some hanging.
+    """
+    rank, world = group_rank_and_size(group)
+    if world == 1:
+        return [0] if problem else []
+    flags = torch.zeros(world, dtype=torch.int32, device=device)
+    flags[rank] = int(problem)
+    dist.all_reduce(flags, group=group)
+    return [r for r, f in enumerate(flags.tolist()) if f]

@@ -1,0 +1,60 @@
+"""Coalesced broadcast of many tensors of any dtype (model states on entering the reducer)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import kernels
+from ..layout import compute_layout
+
+__all__ = ["broadcast_coalesced", "BROADCAST_BUCKET_BYTES"]
+
+#: bytes per coalesced broadcast: torch DDP's ``_DEFAULT_BROADCAST_BUCKET_SIZE`` (250 MiB)
+BROADCAST_BUCKET_BYTES = 250 * 2**20
+#: broadcasts in flight at once, as DDP's ``_broadcast_coalesced`` (bounds the extra memory)
+_MAX_IN_FLIGHT = 2
+
+
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
+                        group: dist.ProcessGroup | None = None,
+                        bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
+    """Overwrite ``tensors`` on every rank with ``src``'s values, a few flat buffers at a time.
+
+    Tensors are grouped by (dtype, device) into buffers of at most ``bucket_bytes`` (one
+    tensor larger than that goes alone), packed with one kernel launch per buffer (bit-exact
+    for any dtype: int64 counters, fp64, bool...), broadcast with at most two broadcasts in
+    flight, and unpacked. ``src`` is a rank of ``group``.
+    """
+    tensors = [t for t in tensors if t.numel() > 0]
+    if not tensors or dist.get_world_size(group) == 1:
+        return
+    for i, t in enumerate(tensors):
+        if not t.is_contiguous():
+            raise ValueError(f"broadcast_coalesced: tensor {i} is not contiguous")
+    is_src = dist.get_rank(group) == src
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    layout = compute_layout(tensors, bucket_cap_bytes=bucket_bytes,
+                            first_bucket_cap_bytes=bucket_bytes, align_bytes=1)
+    in_flight: list[tuple] = []
+
+    def finish(entry) -> None:
+        work, buf, plan, members = entry
+        work.wait()
+        if not is_src:
+            plan.unpack(buf, members)
+
+    for bucket in layout.buckets:
+        members = [tensors[i] for i in bucket.indices]
+        plan = kernels.BucketPlan(bucket.sizes, bucket.offsets, bucket.numel, bucket.device)
+        buf = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        if is_src:
+            plan.pack([t.detach() for t in members], buf)
+        if len(in_flight) == _MAX_IN_FLIGHT:
+            finish(in_flight.pop(0))
+        work = dist.broadcast(buf, global_src, group=group, async_op=True)
+        in_flight.append((work, buf, plan, [t.detach() for t in members]))
+    for entry in in_flight:
+        finish(entry)

@@ -1,0 +1,89 @@
+"""Configuration of the data-parallel reducer."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import distributed as dist
+
+__all__ = ["ReducerConfig", "MiB", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_CAP_MB"]
+
+MiB = 2**20
+#: torch DDP's default bucket cap
+DEFAULT_BUCKET_CAP_MB = 25
+#: torch DDP's first-bucket cap (``dist._DEFAULT_FIRST_BUCKET_BYTES``), used only when
+#: ``bucket_cap_mb`` is left at its default: a small first bucket starts communication early
+DEFAULT_FIRST_BUCKET_CAP_MB = 1
+
+
+def _positive_mb(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
+    if int(value * MiB) < 1:
+        raise ValueError(f"{name}={value!r} MiB is less than one byte; use a larger value")
+
+
+@dataclass(frozen=True)
+class ReducerConfig:
+    """Options of :class:`tribucket.Reducer` / :func:`tribucket.fused_bucketing`."""
+
+    #: bucket cap in MiB (``int(mb * 2**20)`` bytes); ``None`` means DDP's default, 25 MiB
+    bucket_cap_mb: float | None = None
+    #: cap of the first bucket of each (dtype, device) after the rebuild; ``None`` means
+    #: 1 MiB when ``bucket_cap_mb`` is ``None``, else ``bucket_cap_mb`` (torch DDP 2.x)
+    first_bucket_cap_mb: float | None = None
+    #: make each ``.grad`` a view into its bucket: no copies in or out, as DDP's option
+    gradient_as_bucket_view: bool = False
+    #: search the autograd graph after each forward for parameters that will get no
+    #: gradient and treat them as ready (their slice of the bucket is zero)
+    find_unused_parameters: bool = False
+    #: the graph (used parameters, hook order) is the same every iteration: the unused set
+    #: is recorded once and the buckets are rebuilt even with unused parameters
+    static_graph: bool = False
+    #: broadcast rank 0's buffers (BatchNorm statistics...) before each forward with grad
+    broadcast_buffers: bool = True
+    #: parameters (or their qualified names) this reducer leaves alone
+    ignore_parameters: tuple = ()
+    #: a collective that takes longer than this fails instead of hanging (``None``: the
+    #: process group's own timeout); see the README's Reliability section
+    timeout: datetime.timedelta | None = None
+    #: check each bucket across ranks before its collective and log per-bucket timings;
+    #: also switched on by the environment variable ``TRIBUCKET_DEBUG=1``
+    debug: bool = field(default_factory=lambda: os.environ.get("TRIBUCKET_DEBUG", "0") == "1")
+
+    def __post_init__(self) -> None:
+        _positive_mb("bucket_cap_mb", self.bucket_cap_mb)
+        _positive_mb("first_bucket_cap_mb", self.first_bucket_cap_mb)
+        for name in ("gradient_as_bucket_view", "find_unused_parameters", "static_graph",
+                     "broadcast_buffers", "debug"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.ignore_parameters, (str, bytes)):
+            raise TypeError("ignore_parameters must be a collection of parameters or names, "
+                            f"got the string {self.ignore_parameters!r}; wrap it in a tuple")
+        object.__setattr__(self, "ignore_parameters", tuple(self.ignore_parameters))
+        if self.timeout is not None:
+            if not isinstance(self.timeout, datetime.timedelta):
+                raise TypeError("timeout must be a datetime.timedelta, got "
+                                f"{type(self.timeout).__name__} {self.timeout!r}")
+            if self.timeout.total_seconds() <= 0:
+                raise ValueError(f"timeout must be positive, got {self.timeout}")
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        mb = DEFAULT_BUCKET_CAP_MB if self.bucket_cap_mb is None else self.bucket_cap_mb
+        return int(mb * MiB)
+
+    @property
+    def first_bucket_cap_bytes(self) -> int:
+        if self.first_bucket_cap_mb is not None:
+            return int(self.first_bucket_cap_mb * MiB)
+        if self.bucket_cap_mb is None:
+            return dist._DEFAULT_FIRST_BUCKET_BYTES if dist.is_available() \
+                else DEFAULT_FIRST_BUCKET_CAP_MB * MiB
+        return self.bucket_cap_bytes

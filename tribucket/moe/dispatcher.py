@@ -1,0 +1,366 @@
+"""Expert-parallel token dispatch and combine.
+
+Shape legend (suffixes on tensor names):
+    T  tokens on this rank                 K  experts per token (top-k)
+    D  model dimension                     E  experts in the group (global), E = W * L
+    W  ranks in the expert-parallel group  L  experts per rank (local experts)
+    N  rows this rank sends (its kept token-slots, N <= T * K)
+    R  rows this rank receives (the input of its local experts)
+
+Expert ``e`` lives on rank ``e // L`` as local expert ``e % L``. ``dispatch`` is::
+
+    plan       expert_ids_TK -> counts_E (kernel), dest_TK (stable sort by expert: token
+               order inside an expert, so capacity drops the latest tokens), then the
+               counts all-to-all: send_counts_WL -> recv_counts_WL, the splits (one host sync)
+    permute    x_TD -> send_ND, expert-ordered = rank-major (kernel, one launch)
+    exchange   send_ND -> all-to-all (uneven) -> rows by (source rank, local expert)
+               -> regroup to (local expert, source rank) when L > 1 -> expert_input_RD
+
+and ``combine`` runs the same steps backwards (ungroup, reverse all-to-all, weighted
+unpermute in fp32). Every step is differentiable; the all-to-alls' backward is the
+reverse exchange, so ``x_TD``, ``weights_TK`` and the experts all get gradients.
+
+The token movement in the middle (``exchange`` -> experts -> ``exchange_back``) is the part
+a pipelined schedule (FasterMoE's pairwise exchange) replaces: it needs ``send_ND`` (rank
+``w``'s rows are the contiguous slice ``send_splits[w]``), ``recv_counts_WL`` (what arrives
+from whom, for which local expert) and must hand back ``back_ND`` in ``send_ND``'s order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import NoReturn, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..comm import all_to_all, exchange_counts, group_rank_and_size, ranks_reporting
+from ..kernels.moe import moe_counts, permute_tokens, unpermute_tokens
+
+__all__ = ["DispatchMeta", "MoEDispatcher", "expert_capacity"]
+
+
+def expert_capacity(capacity_factor: float | None, num_tokens: int, top_k: int,
+                    num_experts: int) -> int | None:
+    """GShard capacity: ``ceil(capacity_factor · T · K / E)`` rows per expert from one rank.
+
+    ``None`` (dropless) when ``capacity_factor`` is None. The factor is taken as the decimal
+    it prints as (``1.1`` is 11/10 exactly), so the ceiling never rounds up a float error.
+    """
+    if capacity_factor is None:
+        return None
+    exact = Fraction(repr(float(capacity_factor))) * num_tokens * top_k / num_experts
+    return math.ceil(exact)
+
+
+@dataclass(frozen=True)
+class DispatchMeta:
+    """Everything ``combine`` needs to undo ``dispatch`` (all integers exact, int64)."""
+
+    #: T: tokens this rank dispatched
+    num_tokens: int
+    #: K: experts per token
+    top_k: int
+    #: D: row length
+    d_model: int
+    #: rows per expert accepted from this rank (None: dropless)
+    capacity: int | None
+    #: [T, K] int64: row of ``send_ND`` each token-slot went to, -1 where capacity dropped it
+    dest_TK: torch.Tensor
+    #: [T, K] gate weights used by combine (they carry the router's gradient)
+    weights_TK: torch.Tensor
+    #: [E] int64: this rank's token-slots per global expert, before capacity drops
+    counts_E: torch.Tensor
+    #: [W, L] int64: rows this rank sends to rank w's local expert l (after drops)
+    send_counts_WL: torch.Tensor
+    #: [W, L] int64: rows this rank receives from rank w for its local expert l
+    recv_counts_WL: torch.Tensor
+    #: rows sent to each rank (``send_ND`` is rank-major: rank w's rows are contiguous)
+    send_splits: tuple[int, ...]
+    #: rows received from each rank
+    recv_splits: tuple[int, ...]
+    #: rows of ``expert_input`` per local expert, in local-expert order
+    tokens_per_expert: tuple[int, ...]
+    #: [R, 1] int64: row of ``expert_input`` for each received row (None when no regroup)
+    regroup_dest_R1: torch.Tensor | None
+    #: token-slots this rank dropped (capacity mode)
+    num_dropped: int
+
+    @property
+    def num_send(self) -> int:
+        """N: rows this rank sends."""
+        return sum(self.send_splits)
+
+    @property
+    def num_recv(self) -> int:
+        """R: rows this rank's experts receive."""
+        return sum(self.recv_splits)
+
+
+class MoEDispatcher:
+    """Send token rows to the ranks holding their experts and combine the outputs back.
+
+    ``num_experts`` experts are spread over the ``group`` (default: the world), ``L =
+    num_experts / W`` per rank; expert ``e`` is local expert ``e % L`` of rank ``e // L``.
+    ``capacity_factor=None`` is dropless; a float caps the rows each expert accepts from a
+    rank at :func:`expert_capacity` and drops the rest in token order (their term is zero).
+    ``backend`` picks the token kernels (``"auto"``: Triton on CUDA, PyTorch on CPU;
+    ``"triton"``; ``"reference"``). With ``check_expert_output`` (default) ``combine`` spends
+    one small all-reduce so that a rank whose expert output has the wrong shape (or whose
+    expert raised, in :class:`MoELayer`) makes every rank raise instead of leaving the others
+    blocked in the return exchange; set it False only when every expert is known to be
+    shape-preserving, and on every rank alike.
+
+    Example (your own router)::
+
+        disp = MoEDispatcher(num_experts=8, capacity_factor=None)
+        weights_TK, expert_ids_TK = torch.topk(router(x_TD).softmax(-1), k=2)
+        expert_input, meta = disp.dispatch(x_TD, expert_ids_TK, weights_TK)
+        chunks = expert_input.split(meta.tokens_per_expert)
+        expert_output = torch.cat([expert(c) for expert, c in zip(my_local_experts, chunks)])
+        y_TD = disp.combine(expert_output, meta)
+
+    Bad input to ``dispatch`` on one rank (ids out of range, mismatched shapes) makes that
+    rank raise ValueError/TypeError and the others RuntimeError naming it: the flag rides on
+    the counts exchange, before any token moves.
+
+    Collectives: ``dispatch`` issues two all-to-alls (counts, tokens), ``combine`` one
+    all-reduce (the check) and one all-to-all, backward two all-to-alls; every rank of the
+    group must call them in the same order and agree on ``x.requires_grad``.
+    """
+
+    def __init__(self, num_experts: int, *, group: dist.ProcessGroup | None = None,
+                 capacity_factor: float | None = None, backend: str = "auto",
+                 check_expert_output: bool = True):
+        rank, world = group_rank_and_size(group)
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        if num_experts % world:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by the expert-parallel world size "
+                f"{world}: every rank must hold the same number of experts (use a multiple of {world})")
+        if capacity_factor is not None and not (isinstance(capacity_factor, (int, float))
+                                                and math.isfinite(capacity_factor)
+                                                and capacity_factor > 0):
+            raise ValueError(f"capacity_factor must be None (dropless) or a positive float, "
+                             f"got {capacity_factor!r}")
+        if backend not in ("auto", "triton", "reference"):
+            raise ValueError(f"backend={backend!r} is not one of 'auto', 'triton', 'reference'")
+        self.num_experts = num_experts
+        self.group = group
+        self.rank = rank
+        self.world_size = world
+        self.num_local_experts = num_experts // world
+        self.capacity_factor = capacity_factor
+        self.backend = backend
+        self.check_expert_output = check_expert_output
+
+    # -- the two calls users make ------------------------------------------------------
+    def dispatch(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor,
+                 weights_TK: torch.Tensor) -> tuple[torch.Tensor, DispatchMeta]:
+        """Route ``x_TD``'s rows to their experts' ranks.
+
+        Returns ``(expert_input_RD, meta)``: the rows this rank's local experts must process,
+        grouped by local expert (``meta.tokens_per_expert`` rows each, source rank and token
+        order inside a group).
+        """
+        meta = self.plan(x_TD, expert_ids_TK, weights_TK)
+        return self.exchange(self.permute(x_TD, meta), meta), meta
+
+    def combine(self, expert_output: torch.Tensor | Sequence[torch.Tensor],
+                meta: DispatchMeta) -> torch.Tensor:
+        """Bring the expert outputs home: ``y_TD[t] = sum_k weights_TK[t, k] · out(t, k)``.
+
+        ``expert_output`` is ``[R, D]`` in ``expert_input``'s row order, or a sequence of
+        one ``[meta.tokens_per_expert[l], D]`` tensor per local expert. A dropped slot adds
+        nothing; a token with every slot dropped gets a zero row.
+        """
+        problem, rows_RD = self._check_expert_output(expert_output, meta)
+        self._agree(problem, meta)
+        return self.unpermute(self.exchange_back(rows_RD, meta), meta)
+
+    def fail_combine(self, error: BaseException, meta: DispatchMeta) -> NoReturn:
+        """Re-raise ``error`` (raised while computing this rank's experts) on every rank.
+
+        Call it instead of :meth:`combine` when the expert computation itself failed: the
+        peers, waiting in ``combine``'s check, raise a RuntimeError naming this rank.
+        """
+        if self.check_expert_output:
+            ranks_reporting(True, self.group, meta.dest_TK.device)
+        raise error
+
+    # -- the steps (a pipelined schedule reuses plan/permute/unpermute) -----------------
+    def plan(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor,
+             weights_TK: torch.Tensor) -> DispatchMeta:
+        """Validate, route locally and exchange the counts (the one host sync).
+
+        A rank whose input is bad still joins the counts exchange, with a flag in an extra
+        column, then raises its ValueError/TypeError; the others raise a RuntimeError naming
+        it. No token moves, and no rank is left waiting.
+        """
+        W, L = self.world_size, self.num_local_experts
+        try:
+            expert_ids_TK = self._check_inputs(x_TD, expert_ids_TK, weights_TK)
+        except (ValueError, TypeError) as error:
+            device = x_TD.device if isinstance(x_TD, torch.Tensor) else torch.device("cpu")
+            flagged = torch.zeros(W, L + 1, dtype=torch.int64, device=device)
+            flagged[:, L] = 1
+            exchange_counts(flagged, self.group)
+            raise error
+        T, K = expert_ids_TK.shape
+        capacity = expert_capacity(self.capacity_factor, T, K, self.num_experts)
+        counts_E = moe_counts(expert_ids_TK, self.num_experts, backend=self.backend)
+        dest_TK, sent_E = _route(expert_ids_TK, counts_E, capacity)
+        send_counts_WL = sent_E.view(W, L)
+        # column L carries each rank's bad-input flag (0 here: this rank's input is fine)
+        recv_WL1 = exchange_counts(torch.cat([send_counts_WL, send_counts_WL.new_zeros(W, 1)], 1),
+                                   self.group)
+        recv_counts_WL = recv_WL1[:, :L].contiguous()
+        host = torch.cat([send_counts_WL.reshape(-1), recv_WL1.reshape(-1), counts_E]).tolist()
+        send_WL = [host[w * L:(w + 1) * L] for w in range(W)]
+        recv_WL1_host = [host[W * L + w * (L + 1):W * L + (w + 1) * (L + 1)] for w in range(W)]
+        bad = [w for w in range(W) if recv_WL1_host[w][L]]
+        if bad:
+            raise RuntimeError(f"rank(s) {bad} of the expert-parallel group passed bad input to "
+                               f"dispatch (see the error raised there); rank {self.rank} stops "
+                               f"before any token moves")
+        recv_WL = [row[:L] for row in recv_WL1_host]
+        tokens_per_expert = tuple(sum(recv_WL[w][l] for w in range(W)) for l in range(L))
+        regroup = None
+        if L > 1 and W > 1:
+            regroup = _regroup_dest(recv_counts_WL, sum(tokens_per_expert))
+        return DispatchMeta(
+            num_tokens=T, top_k=K, d_model=x_TD.shape[1], capacity=capacity,
+            dest_TK=dest_TK, weights_TK=weights_TK, counts_E=counts_E,
+            send_counts_WL=send_counts_WL, recv_counts_WL=recv_counts_WL,
+            send_splits=tuple(sum(r) for r in send_WL), recv_splits=tuple(sum(r) for r in recv_WL),
+            tokens_per_expert=tokens_per_expert, regroup_dest_R1=regroup,
+            num_dropped=sum(host[W * L + W * (L + 1):]) - sum(host[:W * L]))
+
+    def permute(self, x_TD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
+        """``send_ND``: each token's row once per kept choice, in global-expert order."""
+        return permute_tokens(x_TD, meta.dest_TK, meta.num_send, backend=self.backend)
+
+    def exchange(self, send_ND: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
+        """All-to-all ``send_ND`` to the experts' ranks; regroup by local expert."""
+        recv_RD = all_to_all(send_ND, meta.send_splits, meta.recv_splits, self.group)
+        if meta.regroup_dest_R1 is None:
+            return recv_RD
+        return permute_tokens(recv_RD, meta.regroup_dest_R1, meta.num_recv, backend=self.backend)
+
+    def exchange_back(self, expert_output_RD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
+        """Undo :meth:`exchange`: ``back_ND`` in ``send_ND``'s row order."""
+        rows_RD = expert_output_RD
+        if meta.regroup_dest_R1 is not None:
+            rows_RD = unpermute_tokens(rows_RD, meta.regroup_dest_R1, None, backend=self.backend)
+        return all_to_all(rows_RD, meta.recv_splits, meta.send_splits, self.group)
+
+    def unpermute(self, back_ND: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
+        """``y_TD``: the gate-weighted sum of each token's rows (fp32 accumulation)."""
+        return unpermute_tokens(back_ND, meta.dest_TK, meta.weights_TK, backend=self.backend)
+
+    # -- checks -------------------------------------------------------------------------
+    def _check_inputs(self, x_TD, expert_ids_TK, weights_TK) -> torch.Tensor:
+        if not isinstance(x_TD, torch.Tensor) or x_TD.dim() != 2:
+            raise ValueError(f"x_TD must be a 2-D [tokens, d_model] tensor, got "
+                             f"{tuple(x_TD.shape) if isinstance(x_TD, torch.Tensor) else type(x_TD)}")
+        if x_TD.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"x_TD must be float32, float16 or bfloat16, got {x_TD.dtype}")
+        T = x_TD.shape[0]
+        if (expert_ids_TK.dim() != 2 or expert_ids_TK.shape[0] != T or expert_ids_TK.shape[1] < 1
+                or expert_ids_TK.dtype not in (torch.int64, torch.int32)):
+            raise ValueError(f"expert_ids_TK must be an int64 [T={T}, K>=1] tensor, got "
+                             f"{expert_ids_TK.dtype} {tuple(expert_ids_TK.shape)}")
+        if weights_TK.shape != expert_ids_TK.shape or not weights_TK.is_floating_point():
+            raise ValueError(f"weights_TK must be a float tensor of expert_ids_TK's shape "
+                             f"{tuple(expert_ids_TK.shape)}, got {weights_TK.dtype} "
+                             f"{tuple(weights_TK.shape)}")
+        if not (x_TD.device == expert_ids_TK.device == weights_TK.device):
+            raise ValueError(f"x_TD, expert_ids_TK and weights_TK must be on one device, got "
+                             f"{x_TD.device}, {expert_ids_TK.device}, {weights_TK.device}")
+        if expert_ids_TK.numel():
+            lo, hi = torch.aminmax(expert_ids_TK)
+            lo, hi = int(lo), int(hi)
+            if lo < 0 or hi >= self.num_experts:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"expert_ids_TK holds expert {bad}, outside 0..{self.num_experts - 1}")
+        return expert_ids_TK.to(torch.int64)
+
+    def _check_expert_output(self, expert_output, meta: DispatchMeta):
+        """``(problem or None, rows_RD)``: a local check, no communication."""
+        D, tpe = meta.d_model, meta.tokens_per_expert
+        if isinstance(expert_output, torch.Tensor):
+            want = (meta.num_recv, D)
+            if tuple(expert_output.shape) != want:
+                return (f"expert_output has shape {tuple(expert_output.shape)} on rank {self.rank}; "
+                        f"expected {list(want)} (the [R, D] rows dispatch gave this rank's experts: "
+                        f"experts must map [n, D] -> [n, D])"), None
+            return None, expert_output
+        outs = list(expert_output)
+        if len(outs) != len(tpe):
+            return (f"expert_output has {len(outs)} tensors on rank {self.rank}; expected one per "
+                    f"local expert ({len(tpe)})"), None
+        for l, (out, n) in enumerate(zip(outs, tpe)):
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != (n, D):
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                e = self.rank * self.num_local_experts + l
+                return (f"expert {e} (local expert {l} on rank {self.rank}) returned {got} for "
+                        f"an input of shape [{n}, {D}]; experts must map [n, D] -> [n, D]"), None
+        return None, (outs[0] if len(outs) == 1 else torch.cat(outs))
+
+    def _agree(self, problem: str | None, meta: DispatchMeta) -> None:
+        if self.check_expert_output:
+            bad = ranks_reporting(problem is not None, self.group, meta.dest_TK.device)
+        else:
+            bad = [self.rank] if problem is not None else []
+        if problem is not None:
+            raise ValueError(problem)
+        if bad:
+            raise RuntimeError(
+                f"rank(s) {bad} of the expert-parallel group could not produce their expert "
+                f"output (see the error raised there); rank {self.rank} stops before the return "
+                f"all-to-all so that no rank is left waiting in it")
+
+
+def _route(expert_ids_TK: torch.Tensor, counts_E: torch.Tensor,
+           capacity: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dest_TK, sent_E)``: each slot's row in expert order, and rows kept per expert.
+
+    Slots are ordered by expert, then token (a stable sort of the token-major ids), so with a
+    capacity the slots past ``capacity`` in token order are the ones dropped (dest -1).
+    """
+    T, K = expert_ids_TK.shape
+    ids_S = expert_ids_TK.reshape(-1)
+    order_S = torch.argsort(ids_S, stable=True)
+    pos_S = torch.empty_like(order_S)
+    pos_S[order_S] = torch.arange(ids_S.numel(), device=ids_S.device)
+    if capacity is None:
+        return pos_S.view(T, K), counts_E
+    start_E = torch.cumsum(counts_E, 0) - counts_E
+    rank_in_expert_S = pos_S - start_E[ids_S]
+    sent_E = counts_E.clamp(max=capacity)
+    sent_start_E = torch.cumsum(sent_E, 0) - sent_E
+    dest_S = torch.where(rank_in_expert_S < capacity, sent_start_E[ids_S] + rank_in_expert_S,
+                         torch.full_like(rank_in_expert_S, -1))
+    return dest_S.view(T, K), sent_E
+
+
+def _regroup_dest(recv_counts_WL: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[R, 1]: where each received row (source-rank-major) goes in local-expert-major order.
+
+    Example: W = 2, L = 2, recv_counts ``[[1, 2], [3, 0]]`` (rank 0 sent 1 row for expert 0
+    and 2 for expert 1; rank 1 sent 3 for expert 0) -> received ``[a, b1, b2, c1, c2, c3]``
+    regrouped to ``[a, c1, c2, c3, b1, b2]``: dest ``[0, 4, 5, 1, 2, 3]``.
+    """
+    W, L = recv_counts_WL.shape
+    dev = recv_counts_WL.device
+    c_WL = recv_counts_WL.reshape(-1)
+    seg_R = torch.repeat_interleave(torch.arange(W * L, device=dev), c_WL, output_size=num_rows)
+    start_WL = torch.cumsum(c_WL, 0) - c_WL
+    c_LW = recv_counts_WL.t().reshape(-1)
+    start_LW = (torch.cumsum(c_LW, 0) - c_LW).view(L, W)
+    offset_R = torch.arange(num_rows, device=dev) - start_WL[seg_R]
+    dest_R = start_LW[seg_R % L, seg_R // L] + offset_R
+    return dest_R.view(num_rows, 1)

@@ -1,0 +1,893 @@
+"""The data-parallel reducer: DDP's gradient averaging, with fused buckets, in Python.
+
+State machine of one bucket in one backward pass::
+
+    PENDING ──(last gradient of the bucket ready)──► READY
+    READY ──(every earlier bucket launched)──► LAUNCHED   one fused pack + comm hook / allreduce
+    LAUNCHED ──(end of backward: result arrived)──► DONE  the average becomes every .grad
+    DONE ──(next backward)──► PENDING
+
+Buckets are launched strictly in bucket order on every rank, so every rank issues the same
+collectives in the same order. The end of backward is an autograd-engine callback, queued
+from a pre-hook on the forward output's ``grad_fn`` (so it belongs to the outermost backward
+even under reentrant checkpointing) or, failing that, from the first gradient hook. There a
+tiny status allreduce tells every rank whether any rank missed gradients (and, for fp16
+hooks, overflowed), so an error is raised on every rank instead of leaving one waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join, JoinHook, Joinable
+
+from . import kernels
+from ._env import describe_backend
+from ._graph import output_tensors, reachable_parameters
+from ._hookcall import HookRef, SparseWork, check_result, hook_name, invoke, invoke_after
+from ._memory import BucketMemory
+from ._model import inspect_model, verify_across_ranks
+from ._watchdog import CommGuard
+from .comm import broadcast_coalesced
+from .config import ReducerConfig
+from .grad_bucket import GradBucket
+from .hooks import _hook_traits
+from .layout import NO_CAP, BucketLayout, compute_layout
+
+__all__ = ["Reducer", "ReducerStats", "fused_bucketing"]
+
+logger = logging.getLogger("tribucket")
+
+# Alignment of each gradient inside a bucket for tribucket's own paths on GPU (16 bytes lets
+# the kernels use 128-bit accesses). Generic comm hooks, and the CPU, get DDP's unpadded
+# buffers.
+_ALIGN_BYTES = 16
+_DDP_ALIGN_BYTES = 1
+_STATE_VERSION = 1
+
+
+class _BucketState(enum.IntEnum):
+    PENDING = 0   # waiting for gradients
+    READY = 1     # every gradient is in; waits for earlier buckets to be launched
+    LAUNCHED = 2  # packed and handed to the hook / allreduce; result in flight
+    DONE = 3      # result arrived
+
+
+@dataclass
+class ReducerStats:
+    """Figures of the reducer. ``*_s`` fields describe the last synchronised backward."""
+
+    #: backward passes that averaged gradients
+    iterations: int = 0
+    #: seconds from the start of backward to the autograd engine finishing it
+    backward_compute_s: float = 0.0
+    #: seconds from the end of backward computation until every .grad held the average:
+    #: the communication that did not overlap with computation
+    comm_exposed_s: float = 0.0
+    #: of which: the end-of-backward status check (missing gradients, overflow flag)
+    status_check_s: float = 0.0
+    #: bytes of gradient buffers handed to collectives in the last backward (one rank)
+    bytes_communicated: int = 0
+    #: buckets in the current layout
+    buckets: int = 0
+    #: times the buckets were rebuilt in gradient-ready order (at most once)
+    rebuilds: int = 0
+    #: bytes of the bucket buffers one iteration uses
+    bucket_bytes_allocated: int = 0
+    #: per-bucket seconds from launch to the end of backward, last backward (``debug`` only)
+    bucket_comm_s: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class _Pass:
+    """One backward pass of the model, from its first gradient to the engine callback."""
+
+    __slots__ = ("sync", "ready", "fired", "pending", "state", "next_bucket", "handles",
+                 "t_start", "callback_queued", "any_ready", "t_launch", "bytes", "errors",
+                 "scale")
+
+    def __init__(self, sync: bool, n_params: int, pending: list[int]):
+        self.sync = sync                       # False: no_sync, gradients stay local
+        self.ready = bytearray(n_params)       # parameter i's gradient is in its bucket slot
+        self.fired = [0] * n_params            # gradient hooks seen per parameter
+        self.pending = list(pending)           # per bucket: parameters not yet ready
+        self.state = [_BucketState.PENDING] * len(pending)  # per bucket state (module doc)
+        self.next_bucket = 0                   # every bucket before this one is launched
+        self.handles: list[Any] = [None] * len(pending)  # per bucket: Work or Future
+        self.t_start = time.perf_counter()     # backward start (output grad_fn or first hook)
+        self.callback_queued = False           # the end-of-backward callback is queued
+        self.any_ready = False                 # some parameter hook fired in this pass
+        self.t_launch = [0.0] * len(pending)   # per bucket launch time (debug stats)
+        self.bytes = 0                         # bytes handed to collectives
+        self.errors: list[str] = []            # misuse found during backward, raised at the end
+        self.scale = 1.0                       # pre-division fused into the pack (1/world)
+
+
+class Reducer(Joinable):
+    """Average gradients across ranks with DDP's semantics; see :func:`fused_bucketing`.
+
+    Usable directly: ``reducer = Reducer(model)`` attaches, ``reducer.close()`` detaches
+    (or use it as a context manager). It is a ``torch.distributed.algorithms.Joinable``:
+    ``with Join([reducer]): ...`` trains on uneven inputs as ``DDP.join()`` does.
+    """
+
+    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
+                 config: ReducerConfig | None = None, **options: Any):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
+        if config is None:
+            config = ReducerConfig(**options)
+        elif options:
+            raise TypeError(f"pass either config= or keyword options, not both: {sorted(options)}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("tribucket needs torch.distributed: call "
+                               "dist.init_process_group(...) (or launch with torchrun) first")
+        self.config = config
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        logger.info("tribucket reducer on rank %d/%d: %s", self.rank, self.world_size,
+                    describe_backend())
+
+        view = inspect_model(module, config.ignore_parameters)
+        self._state_params, self._buffers = view.state_params, view.buffers
+        self._names, self._params, self._index_of = view.names, view.params, view.index_of
+        self._device, self._expect_sparse = view.device, view.expect_sparse
+        # the reducer's own collectives: a group with the timeout, failure diagnosis, debug
+        self._guard = CommGuard(self.process_group, self.rank, self.world_size, self._device,
+                                config.timeout, config.debug)
+        verify_across_ranks(view, self._guard.group, self.world_size)
+        self._broadcast_states(src_rank=0, buffers=config.broadcast_buffers)
+
+        # communication hook (register_comm_hook may replace it before the first backward)
+        self._hook: Callable | None = None
+        self._hook_state: Any = None
+        self._traits = _hook_traits(None, None)
+        # layout and the memory behind it (buffers are allocated at the first backward)
+        self._layout = self._initial_layout()
+        self._mem: list[BucketMemory | None] = []  # per bucket (None: sparse)
+        self._bucket_params: list[list[torch.Tensor]] = []
+        self._bucket_index: list[list[int]] = []   # per bucket: parameter indices
+        self._allocated = False
+        # iteration state
+        self._pass: _Pass | None = None
+        self._sync_enabled = True              # False inside no_sync()
+        self._fwd_sync: bool | None = None     # decision of the last grad-enabled forward
+        self._require_forward_param_sync = True  # broadcast buffers before the next forward
+        self._unused: list[int] = []           # parameters the last forward did not reach
+        self._static_counts: list[int] | None = None  # static_graph: hooks per parameter
+        self._static_used: list | None = None  # static_graph: global used map
+        self._ready_order: list[int] = []      # first synced pass: gradient-ready order
+        self._rebuilt = False
+        self._passes = 0                       # backward passes begun (synced or not): the
+        # iteration number that fingerprints and failure reports use, equal on every rank
+        self._join_work = None                 # Join: the notify allreduce (ranks active)
+        self._divide_by_initial_world_size = True
+        self.found_inf = torch.zeros(1, dtype=torch.float32, device=self._device)
+        self.stats = ReducerStats(buckets=len(self._layout.buckets))
+        self._handles: list = []
+        self._hook_refs: list[HookRef] = []
+        self._closed = False
+        self._backward_start_ref = self._hook_ref("_on_backward_start")
+        self._attach()
+
+    # ------------------------------------------------------------------ set-up
+    def _broadcast_states(self, src_rank: int, buffers: bool) -> None:
+        tensors = [p.detach() for _, p in self._state_params]
+        if buffers:
+            tensors += [b.detach() for _, b in self._buffers]
+        broadcast_coalesced(tensors, src=src_rank, group=self._guard.group_arg())
+
+    def _initial_layout(self) -> BucketLayout:
+        cfg = self.config
+        if cfg.find_unused_parameters and not cfg.static_graph:
+            # DDP keeps its size-capped initial buckets when it will never rebuild
+            caps = dict(bucket_cap_bytes=cfg.bucket_cap_bytes,
+                        first_bucket_cap_bytes=min(cfg.first_bucket_cap_bytes,
+                                                   cfg.bucket_cap_bytes))
+        else:
+            # DDP 2.x: one bucket per (dtype, device) until the rebuild, because the
+            # reverse-parameter-order guess is often wrong
+            caps = dict(bucket_cap_bytes=NO_CAP, first_bucket_cap_bytes=NO_CAP)
+        return compute_layout(self._params, expect_sparse=self._expect_sparse,
+                              align_bytes=_DDP_ALIGN_BYTES, **caps)
+
+    def _attach(self) -> None:
+        for i, p in enumerate(self._params):  # tied parameters appear once in the list
+            self._handles.append(
+                p.register_post_accumulate_grad_hook(self._hook_ref("_on_grad_ready", i)))
+        self._handles.append(self.module.register_forward_pre_hook(
+            self._hook_ref("_pre_forward")))
+        self._handles.append(self.module.register_forward_hook(self._hook_ref("_post_forward")))
+
+    def _hook_ref(self, method: str, *args: Any) -> HookRef:
+        ref = HookRef(self, method, args)
+        self._hook_refs.append(ref)
+        return ref
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def layout(self) -> BucketLayout:
+        """The current bucket layout (DDP's, before and after the rebuild)."""
+        return self._layout
+
+    @property
+    def parameter_names(self) -> list[str]:
+        """Names of the averaged parameters; ``layout`` indices point into this list."""
+        return list(self._names)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside reduces their sum."""
+        old, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = old
+
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """Register ``hook(state, bucket) -> Future[Tensor]`` to reduce each bucket.
+
+        The contract is torch DDP's: the hook replaces the default averaging (it does its
+        own division) and its future's value becomes the bucket's content. torch's own hooks
+        (``allreduce_hook``, ``fp16_compress_hook``, ``powerSGD_hook``...) run unchanged.
+        """
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), got "
+                            f"{type(hook).__name__} {hook!r}")
+        if self._hook is not None:
+            raise RuntimeError(f"a comm hook ({hook_name(self._hook)}) is already registered; "
+                               "register_comm_hook can be called only once per reducer")
+        if self._allocated or self.stats.iterations > 0:
+            raise RuntimeError("register_comm_hook must be called before the first backward "
+                               "pass (the buckets are already built for the default hook)")
+        traits = _hook_traits(hook, state)
+        if traits.wire_dtype is not None and self.config.gradient_as_bucket_view:
+            raise ValueError(
+                f"{hook_name(hook)} packs gradients straight into a {traits.wire_dtype} wire "
+                "buffer, so there is no full-precision bucket for .grad to view: use "
+                "gradient_as_bucket_view=False with fused compression hooks")
+        self._hook, self._hook_state, self._traits = hook, state, traits
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs: the (rebuilt) layout, the iteration count, hook state."""
+        return {
+            "version": _STATE_VERSION,
+            "parameter_names": list(self._names),
+            "layout": self._layout.to_tensor(),
+            "rebuilt": self._rebuilt,
+            "iterations": self.stats.iterations,
+            "passes": self._passes,
+            "static_counts": self._static_counts,
+            "static_used": self._static_used,
+            "hook": hook_name(self._hook),
+            "hook_state": _hook_state_dict(self._hook_state),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` into a reducer over the same model (before training).
+
+        Register the same comm hook (with a fresh state object) before loading, so its
+        state — the gossip schedule, PowerSGD's error feedback and random state — is
+        restored too.
+        """
+        if self._pass is not None:
+            raise RuntimeError("load_state_dict cannot run during a backward pass")
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"reducer state version {state.get('version')!r} is not supported "
+                             f"(expected {_STATE_VERSION})")
+        if state["parameter_names"] != self._names:
+            theirs, mine = state["parameter_names"], self._names
+            diff = next((k for k in range(min(len(theirs), len(mine))) if theirs[k] != mine[k]),
+                        min(len(theirs), len(mine)))
+            raise ValueError(f"the saved reducer state is for other parameters: {len(theirs)} "
+                             f"saved, {len(mine)} here, first difference at position {diff}")
+        if state["hook"] != hook_name(self._hook):
+            raise ValueError(f"the saved state was taken with comm hook {state['hook']}; "
+                             f"register it (currently {hook_name(self._hook)}) before loading")
+        self._layout = BucketLayout.from_tensor(state["layout"], self._params)
+        self._rebuilt = bool(state["rebuilt"])
+        self._static_counts = state["static_counts"]
+        self._static_used = state["static_used"]
+        self._ready_order = []
+        self.stats.iterations = int(state["iterations"])
+        self._passes = int(state.get("passes", state["iterations"]))
+        self.stats.rebuilds = int(self._rebuilt)
+        self.stats.buckets = len(self._layout.buckets)
+        self._allocated = False  # buffers follow the restored layout at the next backward
+        _load_hook_state(self._hook_state, state.get("hook_state"))
+
+    def close(self) -> None:
+        """Detach from the model: remove every hook, finish pending communication."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for ref in self._hook_refs:
+            ref.reducer = None  # graphs still holding a hook no longer reach the reducer
+        self._hook_refs.clear()
+        p, self._pass = self._pass, None
+        if p is not None and p.sync and not self._guard.failed:
+            for h in p.handles:  # finish what is in flight so no peer is left waiting
+                if h is not None and not isinstance(h, torch._C.Future):
+                    with contextlib.suppress(Exception):
+                        h.wait()
+
+    def __enter__(self) -> "Reducer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ Joinable
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """Shadow this reducer's collectives on ranks that ran out of inputs (``Join``).
+
+        ``divide_by_initial_world_size`` (default ``True``, as DDP): divide gradients by the
+        initial world size; ``False`` divides by the number of ranks still training.
+        """
+        return _ReducerJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+    # ------------------------------------------------------------------ forward hooks
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            return  # evaluation: no collective, so `if rank == 0: evaluate(model)` works
+        joining = self._join_config.enable
+        if joining:
+            self._join_work = Join.notify_join_context(self)
+        if (self.config.broadcast_buffers and self._require_forward_param_sync
+                and self._buffers and self.world_size > 1):
+            # under Join rank 0 may have left: agree on the highest rank still training
+            src = self._common_rank(True) if joining else 0
+            self._guard.fingerprint("buffers", self._passes, 0, len(self._buffers),
+                                    None)
+            broadcast_coalesced([b.detach() for _, b in self._buffers], src=src,
+                                group=self._guard.group_arg())
+        if joining:
+            self._allreduce_flag(1.0 if self._sync_enabled else 0.0)  # tell joined ranks
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        sync = self._sync_enabled
+        self._require_forward_param_sync = sync
+        self._fwd_sync = sync
+        outs = output_tensors(output)
+        cfg = self.config
+        if sync and cfg.find_unused_parameters and not cfg.static_graph:
+            reached = reachable_parameters(outs)
+            self._unused = [i for i, p in enumerate(self._params) if id(p) not in reached]
+        # queue the end-of-backward callback from the outermost backward that reaches
+        # an output (a hook on the parameters could fire inside a reentrant backward)
+        for t in outs:
+            if t.grad_fn is not None:
+                t.grad_fn.register_prehook(self._backward_start_ref)
+
+    # ------------------------------------------------------------------ backward
+    def _on_backward_start(self, grad_outputs):
+        if self._closed:
+            return None
+        p = self._pass if self._pass is not None else self._begin_pass()
+        if not p.callback_queued:
+            p.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        return None
+
+    def _begin_pass(self) -> _Pass:
+        sync = self._fwd_sync if self._fwd_sync is not None else self._sync_enabled
+        self._fwd_sync = None
+        self._passes += 1
+        p = self._pass = _Pass(sync, len(self._params),
+                               [len(b.indices) for b in self._layout.buckets])
+        return p
+
+    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        p = self._pass if self._pass is not None else self._begin_pass()
+        if not p.callback_queued:
+            p.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if not p.sync:
+            return
+        p.fired[index] += 1
+        if not p.any_ready:
+            p.any_ready = True
+            self._first_gradient(p)
+        if self.config.static_graph:
+            counts = self._static_counts
+            if counts is None:
+                return  # first iteration of a static graph: everything launches at the end
+            if p.fired[index] > counts[index]:
+                p.errors.append(
+                    f"static_graph=True: parameter {self._names[index]!r} received "
+                    f"{p.fired[index]} gradient(s) in this backward but {counts[index]} in the "
+                    "first iteration: the graph changed, which static_graph does not allow")
+                return
+            if p.fired[index] < counts[index]:
+                return
+        elif p.ready[index]:
+            if index in self._unused:
+                p.errors.append(
+                    f"parameter {self._names[index]!r} was found unused after the forward (no "
+                    "path from the forward's outputs reaches it) but then received a "
+                    "gradient; compute the loss from the model's outputs")
+            else:
+                p.errors.append(
+                    f"parameter {self._names[index]!r} received a second gradient in the same "
+                    "backward pass. Causes: the parameter is used in several reentrant "
+                    "backward passes (torch.utils.checkpoint with use_reentrant=True: pass "
+                    "static_graph=True or use use_reentrant=False), or it is used outside "
+                    "the model's forward in another graph")
+            return  # recorded; raised on every rank at the end of backward, after the
+            # collectives, so no rank is left waiting
+        if self._recording_order():
+            self._ready_order.append(index)  # gradient-ready order, for the rebuild
+        self._mark_ready(p, index)
+
+    def _first_gradient(self, p: _Pass) -> None:
+        """The first parameter gradient of a synchronised pass: buffers, unused params."""
+        if not self._allocated:
+            self._allocate()
+        self._guard.mark_progress(self._passes)
+        p.scale = 1.0 / self._divisor() if self._traits.prescale else 1.0
+        if self._traits.check_overflow:
+            self.found_inf.zero_()  # the pack kernels only ever set it
+        if self.config.static_graph:
+            if self._static_counts is not None:
+                for i in self._unused:
+                    self._mark_ready(p, i)
+        elif self.config.find_unused_parameters:
+            for i in self._unused:
+                self._mark_ready(p, i)
+
+    def _divisor(self) -> int:
+        """The world size, or under ``Join(divide_by_initial_world_size=False)`` the ranks
+        still training (the count the join notification allreduce produced)."""
+        work, self._join_work = self._join_work, None
+        if work is None or self._divide_by_initial_world_size:
+            return self.world_size
+        self._guard.wait(work, "the Join notification", self._passes)
+        return max(1, int(work.result()[0].item()))
+
+    def _mark_ready(self, p: _Pass, index: int) -> None:
+        p.ready[index] = 1
+        b, _ = self._layout.locate(index)
+        p.pending[b] -= 1
+        if p.pending[b] == 0:
+            p.state[b] = _BucketState.READY
+            while p.next_bucket < len(p.state) and p.state[p.next_bucket] == _BucketState.READY:
+                self._launch(p, p.next_bucket)
+                p.next_bucket += 1
+
+    def _recording_order(self) -> bool:
+        cfg = self.config
+        if self._rebuilt or (cfg.find_unused_parameters and not cfg.static_graph):
+            return False
+        return not cfg.static_graph or self._static_counts is not None
+
+    # ------------------------------------------------------------------ buffers
+    def _allocate(self) -> None:
+        """Set up the memory of every bucket of the current layout for the current hook."""
+        align = self._align_bytes()
+        if align != self._layout.align_bytes:
+            encoded = self._layout.to_tensor().clone()
+            encoded[2] = align
+            self._layout = BucketLayout.from_tensor(encoded, self._params)
+        self._mem, self._bucket_params, self._bucket_index = [], [], []
+        for bucket in self._layout.buckets:
+            params = [self._params[i] for i in bucket.indices]
+            self._bucket_params.append(params)
+            self._bucket_index.append(list(bucket.indices))
+            if bucket.sparse:
+                self._mem.append(None)
+                continue
+            plan = kernels.BucketPlan(bucket.sizes, bucket.offsets, bucket.numel, bucket.device)
+            mem = BucketMemory(bucket, params, self._wire_dtype(bucket.dtype), plan,
+                               always_view=self.config.gradient_as_bucket_view)
+            if self.config.gradient_as_bucket_view and any(q.grad is not None for q in params):
+                # (rebuild) carry the accumulated gradients over and view the new bucket
+                buf = mem.pack([q.grad for q in params], 1.0, None)
+                mem.finish(buf, [q.grad is not None for q in params])
+            self._mem.append(mem)
+        self._allocated = True
+        self.stats.buckets = len(self._layout.buckets)
+        # the buffers one iteration needs (one per bucket, in its wire dtype); a gradient
+        # the user keeps across iterations holds on to an older buffer on top of this
+        self.stats.bucket_bytes_allocated = sum(m.capacity_bytes() for m in self._mem
+                                                if m is not None)
+
+    def _align_bytes(self) -> int:
+        # Padding only helps the GPU kernels; generic hooks get DDP's unpadded buffers
+        if self._traits.builtin and self._device.type == "cuda":
+            return _ALIGN_BYTES
+        return _DDP_ALIGN_BYTES
+
+    def _wire_dtype(self, bucket_dtype: torch.dtype) -> torch.dtype:
+        wire = self._traits.wire_dtype
+        if wire is not None and bucket_dtype in (torch.float32, torch.float16, torch.bfloat16):
+            return wire
+        return bucket_dtype
+
+    # ------------------------------------------------------------------ launching
+    def _launch(self, p: _Pass, b: int) -> None:
+        """Pack bucket ``b`` (one fused launch) and hand it to the hook / allreduce."""
+        bucket = self._layout.buckets[b]
+        params = self._bucket_params[b]
+        p.state[b] = _BucketState.LAUNCHED
+        p.t_launch[b] = time.perf_counter()
+        if bucket.sparse:
+            self._launch_sparse(p, b, params[0])
+            return
+        ready = p.ready
+        grads = [q.grad if ready[i] else None for q, i in zip(params, self._bucket_index[b])]
+        found = self.found_inf if self._traits.check_overflow else None
+        buf = self._mem[b].pack(grads, p.scale, found)
+        self._send(p, b, buf, params, bucket)
+
+    def _send(self, p: _Pass, b: int, buf: torch.Tensor, params: list, bucket) -> None:
+        """Hand a packed bucket to the default allreduce or the comm hook."""
+        p.bytes += buf.numel() * buf.element_size()
+        self._guard.fingerprint("bucket", self._passes, b, buf.numel(), buf.dtype)
+        if self._hook is None:
+            p.handles[b] = dist.all_reduce(buf, group=self._guard.group, async_op=True)
+            return
+        gb = GradBucket(b, buf, params, bucket.offsets, is_last=b == len(p.state) - 1,
+                        prescaled=self._traits.prescale, process_group=self._guard.group)
+        if self._traits.serialize:
+            p.handles[b] = invoke_after(p.handles[b - 1] if b else None, self._hook,
+                                        self._hook_state, b, gb)
+        else:
+            p.handles[b] = invoke(self._hook, self._hook_state, b, gb)
+
+    def _launch_sparse(self, p: _Pass, b: int, param: torch.Tensor) -> None:
+        index = self._index_of[id(param)]
+        g = param.grad if p.ready[index] else None
+        if g is None:
+            g = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long, device=param.device),
+                                        torch.empty((0, *param.shape[1:]), dtype=param.dtype,
+                                                    device=param.device), param.shape)
+        if not g.is_sparse:
+            raise RuntimeError(f"parameter {self._names[index]!r} belongs to an embedding with "
+                               "sparse=True but its gradient is dense")
+        g = g.coalesce()
+        self._guard.fingerprint("bucket", self._passes, b, g.values().numel(), g.dtype)
+        if self._hook is None or self._traits.builtin:
+            g = g * p.scale if p.scale != 1.0 else g * (1.0 / self.world_size)
+            p.handles[b] = SparseWork(dist.all_reduce(g, group=self._guard.group,
+                                                      async_op=True))
+        else:
+            gb = GradBucket(b, g, [param], [0], is_last=b == len(p.state) - 1)
+            p.handles[b] = invoke(self._hook, self._hook_state, b, gb)
+
+    # ------------------------------------------------------------------ end of backward
+    def _finalize(self) -> None:
+        p, self._pass = self._pass, None
+        if p is None or not p.sync:
+            return
+        if not p.any_ready:
+            # a backward that produced no parameter gradient (e.g. torch.autograd.grad
+            # w.r.t. inputs): nothing to average, no collective
+            return
+        t_end = time.perf_counter()
+        cfg = self.config
+        if cfg.static_graph and self._static_counts is None:
+            # the first iteration of a static graph: learn the hook counts, launch all
+            self._static_counts = list(p.fired)
+            self._unused = [i for i, c in enumerate(p.fired) if c == 0]
+            for i in range(len(self._params)):
+                if not p.ready[i]:
+                    p.ready[i] = 1
+                    b, _ = self._layout.locate(i)
+                    p.pending[b] -= 1
+            for b in range(len(p.state)):
+                p.state[b] = _BucketState.READY
+        used = None
+        if cfg.find_unused_parameters or (cfg.static_graph and self._static_used is None):
+            # locally used: the hook fired with a gradient (DDP's local_used_map)
+            used = [1.0 if (f > 0 and self._params[i].grad is not None) else 0.0
+                    for i, f in enumerate(p.fired)]
+        missing = [i for i in range(len(self._params)) if not p.ready[i]]
+        # launch whatever is left, with zeros for missing gradients, so no peer is left
+        # blocked in a collective this rank would never join
+        for b in range(p.next_bucket, len(p.state)):
+            self._launch(p, b)
+        p.next_bucket = len(p.state)
+
+        status = self._status_tensor(len(missing) + len(p.errors), used)
+        status_work = None
+        if not self._traits.serialize:
+            status_work = self._launch_status(status)
+        results = self._wait_buckets(p)
+        if self._traits.serialize:  # hook callbacks may still have been issuing collectives
+            status_work = self._launch_status(status)
+        t_status = time.perf_counter()
+        if status_work is not None:
+            self._guard.wait(status_work, "the end-of-backward status allreduce",
+                             self._passes)
+        self.stats.status_check_s = time.perf_counter() - t_status
+        counts = status[: self.world_size].tolist()
+        if sum(counts) > 0:
+            self._raise_missing(missing, counts, p.errors)
+        if self._traits.check_overflow:
+            self.found_inf.fill_(1.0 if status[self.world_size].item() > 0 else 0.0)
+        global_used = None
+        if used is not None:
+            global_used = (status[self.world_size + 1:] > 0).tolist()
+            if cfg.static_graph:
+                self._static_used = global_used  # the static graph's used set, once
+        elif cfg.static_graph:
+            global_used = self._static_used
+        self._unpack_all(results, global_used)
+        done = time.perf_counter()
+        st = self.stats
+        st.iterations += 1
+        st.backward_compute_s = t_end - p.t_start
+        st.comm_exposed_s = done - t_end
+        st.bytes_communicated = p.bytes
+        if cfg.debug:
+            st.bucket_comm_s = [done - t for t in p.t_launch]
+            self._log_buckets(st.bucket_comm_s)
+        if self._should_rebuild():
+            self._rebuild(self._ready_order)
+
+    def _status_tensor(self, problems: int, used: list | None) -> torch.Tensor:
+        """``[problems per rank..., overflow flag, used map...]``: one allreduce tells all."""
+        status = torch.zeros(self.world_size + 1 + (len(used) if used is not None else 0),
+                             dtype=torch.float32)
+        status[self.rank] = problems
+        if self._traits.check_overflow:
+            status[self.world_size] = float(self.found_inf.item())
+        if used is not None:
+            status[self.world_size + 1:] = torch.tensor(used, dtype=status.dtype)
+        return status.to(self._device)
+
+    def _launch_status(self, status: torch.Tensor):
+        if self.world_size == 1:
+            return None
+        self._guard.fingerprint("status", self._passes, 0, status.numel(), status.dtype)
+        return dist.all_reduce(status, group=self._guard.group, async_op=True)
+
+    def _wait_buckets(self, p: _Pass) -> list:
+        results = []
+        it = self._passes
+        for b, h in enumerate(p.handles):
+            bucket = self._layout.buckets[b]
+            what = f"bucket {b} ({len(bucket.indices)} tensors, {bucket.numel} elements)"
+            if isinstance(h, torch._C.Future):
+                try:
+                    value = h.wait()
+                except Exception as e:
+                    self._guard.failed = True
+                    raise RuntimeError(f"tribucket (rank {self.rank}): comm hook "
+                                       f"{hook_name(self._hook)} failed on {what}: {e}") from e
+                results.append(check_result(self._hook, b, bucket, value))
+            elif isinstance(h, SparseWork):
+                self._guard.wait(h.work, f"the allreduce of {what}", it)
+                results.append(h.work.result()[0])
+            else:
+                self._guard.wait(h, f"the allreduce of {what}", it)
+                results.append(self._mem[b].active)
+            p.state[b] = _BucketState.DONE
+        return results
+
+    def _unpack_all(self, results: list, global_used) -> None:
+        for b, result in enumerate(results):
+            params = self._bucket_params[b]
+            targets = [global_used is None or global_used[i] for i in self._bucket_index[b]]
+            if self._layout.buckets[b].sparse:
+                if targets[0]:
+                    params[0].grad = result
+                continue
+            self._mem[b].finish(result, targets)
+
+    def _raise_missing(self, missing: list[int], counts: list[float], errors: list[str]) -> None:
+        ranks = [f"rank {r}: {int(c)}" for r, c in enumerate(counts) if c > 0]
+        if errors:
+            raise RuntimeError(f"tribucket (rank {self.rank}): {errors[0]}"
+                               + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
+        if not missing:
+            raise RuntimeError(
+                f"tribucket: another rank reported a problem in this backward pass "
+                f"({', '.join(ranks)}); see its error. This rank's gradients were not averaged.")
+        names = [self._names[i] for i in missing]
+        raise RuntimeError(
+            "tribucket: some parameters received no gradient in this backward pass "
+            f"({', '.join(ranks)} parameters missing). This rank ({self.rank}) got no gradient "
+            f"for: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}. Every rank "
+            "still completed its collectives, so none is left waiting. If parts of the model "
+            "are legitimately unused, pass find_unused_parameters=True to fused_bucketing (or "
+            "static_graph=True if the unused set never changes); otherwise make sure every "
+            "parameter contributes to the loss.")
+
+    def _log_buckets(self, seconds: list[float]) -> None:
+        for b, (bucket, s) in enumerate(zip(self._layout.buckets, seconds)):
+            names = [self._names[i] for i in bucket.indices]
+            logger.info("tribucket rank %d iteration %d bucket %d: %d tensors, %d bytes, "
+                        "%.2f ms from launch to end of backward: %s", self.rank,
+                        self.stats.iterations, b, len(names), bucket.nbytes, s * 1e3,
+                        ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""))
+
+    # ------------------------------------------------------------------ rebuild
+    def _should_rebuild(self) -> bool:
+        cfg = self.config
+        if self._rebuilt or (cfg.find_unused_parameters and not cfg.static_graph):
+            return False
+        return bool(self._ready_order)
+
+    def _rebuild(self, ready_order: list[int]) -> None:
+        """Rebuild the buckets in rank 0's gradient-ready order (broadcast), once."""
+        order = list(ready_order)
+        if self.config.static_graph:
+            order += [i for i in self._unused if i not in set(order)]
+        self._ready_order = []
+        if sorted(order) != list(range(len(self._params))):
+            order = list(range(len(self._params)))  # incomplete (a joined rank): index order
+        t = torch.tensor(order, dtype=torch.int64, device=self._device)
+        if self.world_size > 1:
+            self._guard.fingerprint("rebuild", self._passes, 0, t.numel(), t.dtype)
+            work = dist.broadcast(t, dist.get_global_rank(self._guard.group, 0)
+                                  if self._guard.group is not dist.group.WORLD else 0,
+                                  group=self._guard.group_arg(), async_op=True)
+            self._guard.wait(work, "the bucket-rebuild broadcast", self._passes)
+        cfg = self.config
+        self._layout = compute_layout(
+            self._params, bucket_cap_bytes=cfg.bucket_cap_bytes,
+            first_bucket_cap_bytes=cfg.first_bucket_cap_bytes,
+            expect_sparse=self._expect_sparse, order=t.tolist(),
+            align_bytes=self._layout.align_bytes)
+        self._rebuilt = True
+        self.stats.rebuilds += 1
+        self._allocate()
+
+    # ------------------------------------------------------------------ Join support
+    def _allreduce_flag(self, value: float, op=dist.ReduceOp.SUM) -> float:
+        t = torch.tensor([value], device=self._device)
+        work = dist.all_reduce(t, op=op, group=self.process_group, async_op=True)
+        self._guard.wait(work, "a Join coordination allreduce", self._passes)
+        return t.item()
+
+    def _common_rank(self, candidate: bool) -> int:
+        """The highest rank among the candidates (DDP's authoritative rank under Join)."""
+        r = self._allreduce_flag(float(self.rank if candidate else -1), op=dist.ReduceOp.MAX)
+        if r < 0:
+            raise RuntimeError("Join: no rank is a candidate to hold the authoritative model")
+        return int(r)
+
+    def _shadow_iteration(self) -> None:
+        """On a rank that ran out of inputs: issue the collectives one iteration of the
+        others issues, contributing zeros (the reducer's ``JoinHook.main_hook``)."""
+        if (self.config.broadcast_buffers and self._require_forward_param_sync
+                and self._buffers and self.world_size > 1):
+            src = self._common_rank(False)
+            self._guard.fingerprint("buffers", self._passes, 0, len(self._buffers),
+                                    None)
+            broadcast_coalesced([b.detach() for _, b in self._buffers], src=src,
+                                group=self._guard.group_arg())
+        sync = self._allreduce_flag(0.0) != 0
+        self._require_forward_param_sync = sync
+        self._passes += 1
+        if not sync:
+            return
+        if not self._allocated:
+            self._allocate()
+        p = _Pass(True, len(self._params), [len(b.indices) for b in self._layout.buckets])
+        for b, bucket in enumerate(self._layout.buckets):
+            p.state[b] = _BucketState.LAUNCHED
+            if bucket.sparse:
+                param = self._bucket_params[b][0]
+                self._launch_sparse(p, b, param)
+                continue
+            mem = self._mem[b]
+            buf = mem.active if mem.active is not None else mem._new_buffer()
+            mem.active = buf
+            buf.zero_()
+            self._send(p, b, buf, self._bucket_params[b], bucket)
+        cfg = self.config
+        used = [0.0] * len(self._params) \
+            if cfg.find_unused_parameters or (cfg.static_graph and self._static_used is None) \
+            else None
+        status = self._status_tensor(0, used)
+        work = None if self._traits.serialize else self._launch_status(status)
+        self._wait_buckets(p)  # results are zeros plus the others' gradients: discarded
+        if self._traits.serialize:
+            work = self._launch_status(status)
+        if work is not None:
+            self._guard.wait(work, "the end-of-backward status allreduce",
+                             self._passes)
+        if used is not None and cfg.static_graph:
+            self._static_used = (status[self.world_size + 1:] > 0).tolist()
+        if cfg.static_graph and self._static_counts is None:
+            self._static_counts = [1] * len(self._params)
+        self.stats.iterations += 1
+        if not self._rebuilt and not (cfg.find_unused_parameters and not cfg.static_graph) \
+                and not (cfg.static_graph and self.stats.iterations < 2):
+            self._rebuild(list(range(len(self._params))))
+
+
+class _ReducerJoinHook(JoinHook):
+    """``Join`` support: shadow the iteration on joined ranks, sync the model at the end."""
+
+    def __init__(self, reducer: Reducer, divide_by_initial_world_size: bool):
+        self.reducer = reducer
+        reducer._divide_by_initial_world_size = bool(divide_by_initial_world_size)
+
+    def main_hook(self) -> None:
+        self.reducer._shadow_iteration()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        # as DDP: the model of the last rank to join (ties: the highest rank) wins
+        r = self.reducer
+        src = r._common_rank(is_last_joiner)
+        r._broadcast_states(src_rank=src, buffers=r.config.broadcast_buffers)
+
+
+def _hook_state_dict(state: Any) -> Any:
+    if state is None or isinstance(state, dist.ProcessGroup) or isinstance(state, list):
+        return None
+    if hasattr(state, "state_dict"):
+        return state.state_dict()
+    if hasattr(state, "__getstate__") and hasattr(state, "process_group"):
+        return state.__getstate__()  # torch's PowerSGDState (process group excluded)
+    return None
+
+
+def _load_hook_state(state: Any, saved: Any) -> None:
+    if saved is None or state is None:
+        return
+    if hasattr(state, "load_state_dict"):
+        state.load_state_dict(saved)
+    elif hasattr(state, "__setstate__") and hasattr(state, "process_group"):
+        group = state.process_group
+        state.__setstate__(saved)
+        state.process_group = group  # keep the group the state was created with
+
+
+def fused_bucketing(model: nn.Module, process_group: dist.ProcessGroup | None = None, *,
+                    bucket_cap_mb: float | None = None,
+                    first_bucket_cap_mb: float | None = None,
+                    gradient_as_bucket_view: bool = False,
+                    find_unused_parameters: bool = False,
+                    static_graph: bool = False,
+                    broadcast_buffers: bool = True,
+                    ignore_parameters=(),
+                    **options: Any) -> Reducer:
+    """Average ``model``'s gradients across ranks, as DDP does, while the context is open.
+
+    Example::
+
+        with tribucket.fused_bucketing(model) as reducer:
+            for x, y in loader:
+                loss_fn(model(x), y).backward()   # .grad holds the average over ranks
+                opt.step(); opt.zero_grad()
+
+    Entering verifies the model is the same on every rank, broadcasts rank 0's parameters
+    and buffers, and attaches hooks; leaving removes every hook. See :class:`ReducerConfig`
+    for the options (they mean what DDP's do, plus ``timeout`` and ``debug``).
+    """
+    return Reducer(model, process_group, bucket_cap_mb=bucket_cap_mb,
+                   first_bucket_cap_mb=first_bucket_cap_mb,
+                   gradient_as_bucket_view=gradient_as_bucket_view,
+                   find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+                   broadcast_buffers=broadcast_buffers, ignore_parameters=ignore_parameters,
+                   **options)
