@@ -24,24 +24,29 @@ Backends (``backend=`` on ``pack``/``unpack``/``BucketPlan``)
 
 The torch path (what CPU tensors get)
 -------------------------------------
-Measured on the 2-core CI box, 1 thread (``perf/bench_pack.py`` has the full table):
+Chosen by measurement on the 2-core CI box, 1 intra-op thread (``perf/bench_pack.py``):
 
-* copy (same dtype, scale 1): each maximal gap-free run of tensors is written by ONE
-  ``torch._chunk_cat(run, 0, 1, out=out_run)`` (a C++ loop of flatten-views + ``cat``; the
-  fastest multi-tensor copy measured: ~0.6 us per tensor vs ~9 us for a Python
-  ``torch.mul(out=)`` per tensor, and memcpy speed for big tensors). ``torch.cat`` itself
-  would need 1-D sources (a Python ``view(-1)`` per tensor costs ~1.4 us) and
-  ``torch._foreach_copy_`` needs views of ``out`` shaped like each source.
-* scale and/or cast: the bucket is cut into pieces of at most ``_CPU_CHUNK`` elements
-  (gap-free runs of small tensors, or slices of a big one). Each piece is gathered into
-  ``out`` itself (float32 out: ``_chunk_cat`` then ``mul_`` while the piece is still in
-  L2; a big float32 slice: one ``torch.mul(x, scale, out=)``) or, when ``out`` is narrower
-  than the compute dtype, into a float32 scratch piece (``torch.mul(out=scratch)``) that
-  one ``copy_`` then rounds into ``out``. ``torch.mul`` with a float16 ``out=`` is not
-  vectorised on CPU (1.7x slower than a float32 copy); mul-to-L2-scratch + vectorised
-  ``copy_`` cast is ~1.1-1.3x of a float32 copy.
-* found_inf (CPU): ``piece.sum()`` while the piece is in L2 (a sum is inf/NaN whenever an
-  element is; ~10% extra), confirmed exactly with ``aminmax`` for pieces whose sum is not
+* copy (same dtype, scale 1): ONE ``torch.cat(out=)`` per maximal gap-free run of tensors
+  (memcpy inside). Sources are flattened in C++ by ``torch._chunk_cat`` when they are small
+  (~1 us per tensor; a Python ``view(-1)`` costs ~1.4 us, ``torch._foreach_copy_`` ~0.6 us
+  plus views shaped like each source) and by ``view(-1)`` + ``torch.cat`` when big
+  (``_chunk_cat`` copies ~12% slower per byte); 1-D sources go straight to ``torch.cat``
+  (~0.1 us per tensor). A per-tensor ``copy_`` into bucket slots runs at 0.4-0.8x of an
+  aligned ``copy_``: slots are 16-byte aligned and this CPU's vector stores want 64.
+  Result: the 25 MiB / 128-tensor bucket at ~0.9-1.0x a single-tensor ``copy_``, 1 000
+  1-K vectors ~5x faster than a per-tensor ``torch.mul(out=)`` loop (~9 us per call here).
+* same-dtype scale: L2-sized groups of small tensors gathered as above then ``mul_``'d while
+  in cache; one ``torch.mul(x, scale, out=)`` per big tensor, its head (up to the first
+  64-byte boundary) written apart: ``torch.mul`` into a misaligned ``out=`` runs at half
+  speed (25 MiB: 11.3 ms vs 5.5 ms).
+* cast (to a narrower dtype), scaled or not: pieces of ``_CPU_CHUNK`` elements (gap-free
+  runs of small tensors, or chunks of a big one) computed in an L2-resident float32 scratch
+  piece (``torch.mul(x, scale, out=scratch)``), then one rounding ``copy_`` into ``out``
+  (vectorised, alignment-insensitive). ``torch.mul`` with a float16 ``out=`` is not
+  vectorised on CPU (~1.7x a float32 copy); this way a 25 MiB tensor packs to fp16 with
+  scale at ~1.1x a float32 copy, the 128-tensor bucket at ~1.4-1.6x (more, smaller ops).
+* found_inf: ``piece.sum()`` while the piece is in L2 (a sum is inf/NaN whenever an element
+  is; ~10-20% extra), confirmed exactly with ``aminmax`` only for pieces whose sum is not
   finite (a sum of finite values may overflow). ``isfinite().all()`` or an inf-norm cost
   4-5x a copy on this CPU.
 
@@ -61,7 +66,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .reference import FLOATING, check_value_pair, compute_dtype
+from .reference import FLOATING, check_value_pair, compute_dtype, is_copy
 
 try:  # triton is optional: the torch path never needs it, and importing tribucket must not
     import triton
@@ -89,6 +94,13 @@ _NUM_WARPS = 4
 #: pass. Measured (25 MiB fp32 -> fp16 with scale, 1 thread): 64 KiB pieces 11.5 ms,
 #: 256 KiB 7.3, 512 KiB 6.9, 1 MiB 7.2, 2 MiB 8.6.
 _CPU_CHUNK = 1 << 17
+
+#: Average elements per tensor above which a run is flattened in Python then ``torch.cat``'d
+#: rather than ``torch._chunk_cat``'d (128-tensor 25 MiB bucket: 1.05x vs 0.89x of copy_).
+_FLATTEN_MIN = 1 << 14
+
+#: Pieces shorter than this are written in one op whatever their alignment.
+_ALIGN_MIN = 1 << 12
 
 _NoneType = type(None)
 _HAS_CHUNK_CAT = hasattr(torch, "_chunk_cat")
@@ -339,9 +351,11 @@ class _Run:
     def __init__(self, idx, lo, hi, sub):
         self.idx, self.lo, self.hi, self.sub = idx, lo, hi, sub
         self.get = _getter(idx)
-        # torch._chunk_cat rejects mixed-dtype sources: such a run falls back to torch.cat
-        # of flattened tensors from then on (a bucket's dtypes are static).
-        self.use_cat = not _HAS_CHUNK_CAT
+        # _chunk_cat copies ~12% slower per byte than cat's memcpy; a Python view(-1) costs
+        # ~1.4 us: flatten in Python when the run's tensors average >= 16 Ki elements.
+        # torch._chunk_cat also rejects mixed-dtype sources: such a run switches to cat from
+        # then on (a bucket's dtypes are static).
+        self.use_cat = not _HAS_CHUNK_CAT or hi - lo >= _FLATTEN_MIN * len(idx)
 
 
 _dim = torch.Tensor.dim
@@ -378,20 +392,41 @@ def _gather(run: _Run, srcs: Sequence[torch.Tensor], out2: torch.Tensor,
             pos += n
 
 
-def _scaled(run: _Run, tensors, x, dst2: torch.Tensor, dst1: torch.Tensor, scale: float) -> None:
+def _scaled(run: _Run, tensors, x, dst2: torch.Tensor, dst1: torch.Tensor, scale: float,
+            head: int = 0) -> None:
     """``dst1 = piece * scale`` where dst1 has the compute dtype (exact until the multiply).
 
-    The piece is ``x`` (a 1-D chunk of one big tensor) or the run's tensors.
+    The piece is ``x`` (a 1-D chunk of one big tensor, or a whole single tensor) or the
+    run's tensors. ``head``: elements of dst1 before its first 64-byte boundary (see
+    ``_aligned_head``); an out-of-place op writes them separately.
     """
-    if x is not None and x.dtype == dst1.dtype and scale != 1.0:
-        torch.mul(x, scale, out=dst1)  # one pass
-        return
     if x is not None:
-        dst1.copy_(x)
+        if x.dtype == dst1.dtype and scale != 1.0:
+            op = lambda src, dst: torch.mul(src, scale, out=dst)  # noqa: E731 - one pass
+        else:
+            op = lambda src, dst: dst.copy_(src)  # noqa: E731 - a copy or an exact upcast
+        if head:
+            op(x[:head], dst1[:head])
+            op(x[head:], dst1[head:])
+        else:
+            op(x, dst1)
+        if x.dtype == dst1.dtype:
+            return
     else:
         _gather(run, run.get(tensors), dst2, dst1)
     if scale != 1.0:
-        dst1.mul_(scale)  # the piece is still in L2
+        dst1.mul_(scale)  # the piece is still in L2 (in place: alignment matters little)
+
+
+def _aligned_head(v: torch.Tensor) -> int:
+    """Elements before v's first 64-byte boundary, or 0 when v is small or aligned.
+
+    An out-of-place elementwise op (``torch.mul(out=)``, ``copy_``) whose destination is not
+    64-byte aligned runs at half speed on the CI CPU (25 MiB fp32 ``mul``: 11.3 ms vs 5.5 ms;
+    bucket slots are only 16-byte aligned); writing the head apart aligns the rest.
+    """
+    head = (-v.data_ptr() % 64) // v.element_size()
+    return head if v.numel() >= _ALIGN_MIN and v.data_ptr() % v.element_size() == 0 else 0
 
 
 class _OutViews:
@@ -401,15 +436,17 @@ class _OutViews:
 
     def __init__(self, buf):
         self.buf = buf
-        self.lists: dict = {}  # id(run list) -> [(2-D view, 1-D view)] of each run
+        self.lists: dict = {}  # id(run list) -> views of each run (see `of`)
         self.tviews = None     # views shaped like the tensors (unpack)
         self.tshapes = None
 
     def of(self, runs: list) -> list:
+        """``[(2-D view, 1-D view, aligned head)]`` of each run."""
         v = self.lists.get(id(runs))
         if v is None:
-            v = self.lists[id(runs)] = [(self.buf[r.lo:r.hi].view(1, -1), self.buf[r.lo:r.hi])
-                                        for r in runs]
+            v = self.lists[id(runs)] = [
+                (self.buf[r.lo:r.hi].view(1, -1), self.buf[r.lo:r.hi],
+                 _aligned_head(self.buf[r.lo:r.hi])) for r in runs]
         return v
 
 
@@ -455,12 +492,34 @@ def _check_buffer(buf, name: str, numel: int, device: torch.device) -> None:
         raise ValueError(f"{name} must be a dense contiguous tensor; call .contiguous()")
 
 
+_PLAIN_TENSORS = {torch.Tensor, torch.nn.Parameter}
+_device = operator.attrgetter("device")
+_layout = operator.attrgetter("layout")
+_dtype = operator.attrgetter("dtype")
+
+
 def _check_tensors(tensors, sizes, device, buf_dtype, scale, accumulate, *, pack: bool):
     """Per-call checks of the tensors; returns the set of their dtypes."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"tensors must be a list or tuple of tensors, got {type(tensors).__name__}")
     if len(tensors) != len(sizes):
         raise ValueError(f"got {len(tensors)} tensors but the layout has {len(sizes)}")
+    # Fast path: the same checks as below, one C-level map per property (~0.5 us per tensor
+    # instead of ~1 us); anything unusual takes the loop, which names the culprit.
+    if set(map(type, tensors)) <= _PLAIN_TENSORS and (
+            set(map(_device, tensors)) <= {device}
+            and tuple(map(torch.Tensor.numel, tensors)) == sizes
+            and set(map(_layout, tensors)) <= {torch.strided}
+            and all(map(torch.Tensor.is_contiguous, tensors))):
+        dtypes = set(map(_dtype, tensors))
+        for d in dtypes:
+            src, dst = (d, buf_dtype) if pack else (buf_dtype, d)
+            if accumulate and (src not in FLOATING or dst not in FLOATING):
+                break
+            if not is_copy(src, dst, scale) and (src not in FLOATING or dst not in FLOATING):
+                break
+        else:
+            return dtypes
     dtypes = set()
     for i, t in enumerate(tensors):
         if t is None:
@@ -636,21 +695,21 @@ class BucketPlan:
         if found_inf is None and dtypes == {o} and scale == 1.0:
             # a copy: one cat per maximal run (cat copies with memcpy, which beats copy_
             # when the destination is not 64-byte aligned, as bucket slots are not)
-            for run, (v2, v1) in zip(self._runs, views.of(self._runs)):
+            for run, (v2, v1, _) in zip(self._runs, views.of(self._runs)):
                 _gather(run, run.get(tensors), v2, v1)
             return
         if found_inf is None and dtypes == {o} == {c}:
             # a same-dtype scale: gather + mul_ per L2-sized group of small tensors, one
             # torch.mul(out=) per big tensor
-            for run, (v2, v1) in zip(self._groups, views.of(self._groups)):
+            for run, (v2, v1, head) in zip(self._groups, views.of(self._groups)):
                 x = tensors[run.idx[0]].reshape(-1) if len(run.idx) == 1 else None
-                _scaled(run, tensors, x, v2, v1, scale)
+                _scaled(run, tensors, x, v2, v1, scale, head)
             return
         scratch = self._scratch_views(c) if o != c else None
         parts: dict = {}
         sums = []
         pieces = views.of(self._pieces)
-        for k, (run, (v2, v1)) in enumerate(zip(self._pieces, pieces)):
+        for k, (run, (v2, v1, head)) in enumerate(zip(self._pieces, pieces)):
             if run.sub is None:
                 x = None
             else:  # a chunk of one big tensor
@@ -660,7 +719,7 @@ class BucketPlan:
                     chunks = parts[i] = tensors[i].reshape(-1).split(run.sub[1])
                 x = chunks[run.sub[0]]
             if o == c:  # out holds the compute dtype: gather in place, then scale in L2
-                _scaled(run, tensors, x, v2, v1, scale)
+                _scaled(run, tensors, x, v2, v1, scale, head)
             elif x is not None and scale == 1.0:  # a single rounding cast
                 v1.copy_(x)
             else:  # compute in an L2-resident scratch piece, then one rounding copy_
@@ -676,7 +735,7 @@ class BucketPlan:
         if self.device.type != "cpu":  # no host sync: torch's AMP check (multiplies by 1)
             one = torch.ones((), device=self.device)
             torch._amp_foreach_non_finite_check_and_unscale_(
-                [v1 for _, v1 in pieces], found_inf, one)
+                [v1 for _, v1, _ in pieces], found_inf, one)
             return
         if not sums:
             return
