@@ -34,7 +34,7 @@ Chosen by measurement on the 2-core CI box, 1 intra-op thread (``perf/bench_pack
   (~0.1 us per tensor). A per-tensor ``copy_`` into bucket slots runs at 0.4-0.8x of an
   aligned ``copy_``: slots are 16-byte aligned and this CPU's vector stores want 64.
   Result: the 25 MiB / 128-tensor bucket at ~0.9-1.0x a single-tensor ``copy_``, 1 000
-  1-K vectors ~5x faster than a per-tensor ``torch.mul(out=)`` loop (~9 us per call here).
+  1-K vectors 4-5x faster than a per-tensor ``torch.mul(out=)`` loop (~9 us per call here).
 * same-dtype scale: L2-sized groups of small tensors gathered as above then ``mul_``'d while
   in cache; one ``torch.mul(x, scale, out=)`` per big tensor, its head (up to the first
   64-byte boundary) written apart: ``torch.mul`` into a misaligned ``out=`` runs at half
@@ -44,7 +44,7 @@ Chosen by measurement on the 2-core CI box, 1 intra-op thread (``perf/bench_pack
   piece (``torch.mul(x, scale, out=scratch)``), then one rounding ``copy_`` into ``out``
   (vectorised, alignment-insensitive). ``torch.mul`` with a float16 ``out=`` is not
   vectorised on CPU (~1.7x a float32 copy); this way a 25 MiB tensor packs to fp16 with
-  scale at ~1.1x a float32 copy, the 128-tensor bucket at ~1.4-1.6x (more, smaller ops).
+  scale at 1.1-1.2x a float32 copy, the 128-tensor bucket at 1.4-1.7x (more, smaller ops).
 * found_inf: ``piece.sum()`` while the piece is in L2 (a sum is inf/NaN whenever an element
   is; ~10-20% extra), confirmed exactly with ``aminmax`` only for pieces whose sum is not
   finite (a sum of finite values may overflow). ``isfinite().all()`` or an inf-norm cost
@@ -365,10 +365,10 @@ def _gather(run: _Run, srcs: Sequence[torch.Tensor], out2: torch.Tensor,
             out1: torch.Tensor) -> None:
     """Concatenate ``srcs`` (any shapes) into ``out1`` (1-D) / ``out2`` (its (1, n) view).
 
-    1-D sources: ``torch.cat`` (~0.1 us per tensor on top of the bytes). Others:
+    1-D sources: ``torch.cat`` (~0.1 us per tensor on top of the bytes). Small n-D sources:
     ``torch._chunk_cat``, which flattens in C++ (~1 us per tensor; a Python ``view(-1)`` is
-    ~1.4 us), except with 0-dim sources (torch 2.13's ``_chunk_cat`` raises on them, or
-    crashes when every source is 0-dim) or mixed dtypes (it raises).
+    ~1.4 us). Big ones (``run.use_cat``), 0-dim ones (torch 2.13's ``_chunk_cat`` raises on
+    them, or crashes when every source is 0-dim) and mixed dtypes: ``view(-1)`` + ``cat``.
     """
     dims = set(map(_dim, srcs))
     try:

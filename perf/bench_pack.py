@@ -20,7 +20,9 @@ unpack: per-tensor ``copy_``, ``torch._foreach_copy_`` and ``_unflatten_dense_te
 count, measured in the same rounds.
 
 Every variant runs once per round, round-robin, so drifting machine load hits all alike; a
-figure is the median over rounds. GB/s = (bytes read + bytes written) / time, with
+figure is the median over rounds of the calling thread's CPU time with 1 intra-op thread
+(this 2-core machine is shared: wall-clock time counts the minutes other jobs hold the
+cores; the wall-clock medians are kept in the JSON) and of the wall clock with 2. GB/s = (bytes read + bytes written) / time, with
 read = elements x source element size and written = elements x destination element size.
 "x limit" = limit time / variant time.
 
@@ -194,17 +196,27 @@ def check_results(b: Bucket) -> None:
 
 # -- timing ----------------------------------------------------------------------------------
 def time_round_robin(variants: dict, rounds: int, warmup: int = 2) -> dict:
+    """Median seconds per variant, by two clocks: ``{"cpu": ..., "wall": ...}``.
+
+    ``cpu`` is the calling thread's CPU time (``time.thread_time``): with one intra-op thread
+    all the work runs on it, and unlike the wall clock it does not count the time this
+    process spends descheduled while other jobs share the 2 cores.
+    """
     names = list(variants)
     for _ in range(warmup):
         for n in names:
             variants[n]()
-    times = {n: [] for n in names}
+    cpu = {n: [] for n in names}
+    wall = {n: [] for n in names}
     for r in range(rounds):
         for n in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
-            t0 = time.perf_counter()
+            w0, c0 = time.perf_counter(), time.thread_time()
             variants[n]()
-            times[n].append(time.perf_counter() - t0)
-    return {n: statistics.median(ts) for n, ts in times.items()}
+            c1, w1 = time.thread_time(), time.perf_counter()
+            cpu[n].append(c1 - c0)
+            wall[n].append(w1 - w0)
+    return {"cpu": {n: statistics.median(v) for n, v in cpu.items()},
+            "wall": {n: statistics.median(v) for n, v in wall.items()}}
 
 
 def run_cases(device: str, timer, label: str) -> list:
@@ -216,24 +228,33 @@ def run_cases(device: str, timer, label: str) -> list:
         for op in PACK_OPS + UNPACK_OPS:
             variants = (pack_variants if op in PACK_OPS else unpack_variants)(b, op)
             variants = {"limit: copy_": lambda b=b: b.dst.copy_(b.src), **variants}
-            t = timer(variants)
+            t, wall = timer(variants)
             rb, wb = OP_BYTES[op]
             for name, sec in t.items():
                 nbytes = b.elements * (8 if name.startswith("limit") else rb + wb)
                 rows.append(dict(case=case, op=op, variant=name, ms=sec * 1e3,
-                                 gbps=nbytes / sec / 1e9, x_limit=t["limit: copy_"] / sec))
+                                 gbps=nbytes / sec / 1e9, x_limit=t["limit: copy_"] / sec,
+                                 wall_ms=None if wall is None else wall[name] * 1e3))
             print(f"[{label}] {case:22s} {op:28s} " + "  ".join(
                 f"{k}={v * 1e3:.2f}ms" for k, v in t.items()), flush=True)
     return rows
 
 
 def bench_cpu(threads: int, rounds: int) -> dict:
+    """One thread: thread CPU time (wall clock kept in the JSON). More threads: wall clock
+    (the calling thread's CPU time would miss the other threads' share)."""
     torch.set_num_threads(threads)
-    rows = run_cases("cpu", lambda v: time_round_robin(v, rounds), f"{threads} thread(s)")
-    return {"threads": threads, "rows": rows + overhead_rows(rounds)}
+    clock = "cpu" if threads == 1 else "wall"
+
+    def timer(variants):
+        t = time_round_robin(variants, rounds)
+        return t[clock], t["wall"]
+
+    rows = run_cases("cpu", timer, f"{threads} thread(s)")
+    return {"threads": threads, "clock": clock, "rows": rows + overhead_rows(rounds, clock)}
 
 
-def overhead_rows(rounds: int) -> list:
+def overhead_rows(rounds: int, clock: str) -> list:
     """Per-call cost with 128 tiny (4x4) tensors: what a call costs beyond the bytes."""
     grads = [torch.randn(4, 4) for _ in range(128)]
     offsets = [16 * i for i in range(128)]
@@ -248,7 +269,7 @@ def overhead_rows(rounds: int) -> list:
         "copy_ loop": lambda: [v.copy_(g) for g, v in zip(grads, views)],
         "mul(out=) loop": lambda: [torch.mul(g, 1.0, out=v) for g, v in zip(grads, views)],
     }
-    t = time_round_robin(variants, max(rounds * 10, 50))
+    t = time_round_robin(variants, max(rounds * 10, 50))[clock]
     return [dict(case="128 x 4x4 (per-call cost)", op="overhead", variant=n, us=s * 1e6)
             for n, s in t.items()]
 
@@ -260,7 +281,7 @@ def bench_cuda() -> dict | None:
     from triton.testing import do_bench
 
     def timer(variants):  # do_bench reports milliseconds
-        return {n: do_bench(f, warmup=25, rep=100) / 1e3 for n, f in variants.items()}
+        return {n: do_bench(f, warmup=25, rep=100) / 1e3 for n, f in variants.items()}, None
 
     rows = run_cases("cuda", timer, "cuda")
     return {"device": torch.cuda.get_device_name(), "rows": rows}
@@ -295,9 +316,11 @@ def markdown(res: dict) -> str:
     one = next(r for r in res["cpu"] if r["threads"] == 1)
     rows = one["rows"]
     lines = [f"CPU: {res['machine']}, torch {res['torch']}, 1 intra-op thread; median of "
-             f"{res['rounds']} round-robin rounds (load average {res['loadavg_before'][0]:.1f} "
-             f"before, {res['loadavg_after'][0]:.1f} after: the machine is shared). Cells: "
-             f"GB/s (x the single-tensor `copy_` limit measured in the same rounds).", ""]
+             f"{res['rounds']} round-robin rounds of thread CPU time (the machine is shared: "
+             f"load average {res['loadavg_before'][0]:.1f} before, "
+             f"{res['loadavg_after'][0]:.1f} after; wall-clock medians are in the JSON). "
+             f"Cells: GB/s (x the single-tensor `copy_` limit measured in the same rounds).",
+             ""]
     for title, ops, variants in (
             ("pack", PACK_OPS, ["tribucket", "mul(out=) loop", "copy_ loop",
                                 "_flatten_dense_tensors", "torch.cat"]),
@@ -330,7 +353,7 @@ def markdown(res: dict) -> str:
     if two:
         r2 = two[0]["rows"]
         lines.append("")
-        lines.append("The same targets with 2 intra-op threads: " + "; ".join(
+        lines.append("The same targets with 2 intra-op threads (wall clock): " + "; ".join(
             f"{t['value']} ({'met' if t['met'] else 'not met'})" for t in targets(r2)) +
             ". tribucket x limit with 2 threads: " + ", ".join(
                 f"{c.split(',')[0]} {_get(r2, c, 'pack', 'tribucket', 'x_limit'):.2f}"
@@ -359,7 +382,8 @@ def plot(res: dict, path: pathlib.Path) -> None:
         for k, v in enumerate(variants):
             ys = [_get(rows, case, op, v, "x_limit") for op in ops]
             xs = [i + (k - len(variants) / 2) * width + width / 2 for i in range(len(ops))]
-            ax.bar(xs, [0 if math.isnan(y) else y for y in ys], width, label=v)
+            label = ("torch._utils." if "flatten" in v else "torch.") + v if v[0] == "_" else v
+            ax.bar(xs, [0 if math.isnan(y) else y for y in ys], width, label=label)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_ylabel("x copy_ limit")
         ax.set_title(case, fontsize=10)
