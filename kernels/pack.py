@@ -17,6 +17,10 @@ class BucketPlan:
             self._views_key = key
         return self._views
 
+    def forget(self, buf):
+        if self._views_key is not None and self._views_key[0] == buf.data_ptr():
+            self._views_key, self._views = None, None
+
     def pack(self, tensors, out, *, scale=1.0, found_inf=None):
         views = self._views_of(out)
         for v, t in zip(views, tensors):

@@ -125,6 +125,9 @@ class BucketMemory:
                 else:
                     g.copy_(view)
             self.lent, self.active = buf, None
+            # the plan caches views of the buffers it packs into: drop them, so the storage
+            # use count tells whether anything but the reducer still holds the buffer
+            self.plan.forget(buf)
             return
         if self.always_view and buf is not None and result.numel() == buf.numel():
             buf.copy_(result)  # a hook returned another tensor: the bucket backs .grad
