@@ -43,9 +43,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused_bucketing, hooks
 from .moe import MoELayer
 from .moe.layer import SCHEDULES
-from .reducer import fused_bucketing
 
 __all__ = ["DemoConfig", "HOOKS", "build_model", "main", "parse_args", "run_demo"]
 
@@ -354,8 +354,6 @@ def _lr_at(cfg: DemoConfig, step: int) -> float:
 
 
 def _register_hook(reducer, cfg: DemoConfig) -> None:
-    from . import hooks
-
     if cfg.hook == "fp16":
         reducer.register_comm_hook(None, hooks.fp16_compress_hook)
     elif cfg.hook == "bf16":
@@ -674,6 +672,10 @@ def _plot(result: dict, names: list, out: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (mean over ranks)")
     ax.set_title(f"Character MoE transformer: {title}", fontsize=9)
+    if "param_diff" in result:
+        ax.text(0.98, 0.62, f"max |param difference| after {cfg['steps']} steps: "
+                f"{result['param_diff']['max_abs_diff']:.1e}", transform=ax.transAxes,
+                ha="right", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
