@@ -30,7 +30,6 @@ import datetime
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -130,10 +129,6 @@ class DemoConfig:
             raise ValueError(f"--schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
-        if self.top_k > self.experts_per_rank and self.nproc == 1:
-            # checked again against the real world size once the group exists
-            raise ValueError(f"--top-k {self.top_k} exceeds the {self.experts_per_rank} experts of "
-                             "a single process: lower --top-k or raise --experts-per-rank")
         for name in ("lr", "aux_loss_coef"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
@@ -497,10 +492,7 @@ def run_demo(cfg: DemoConfig, *, progress: bool = False, device: torch.device | 
         raise RuntimeError("run_demo needs an initialised process group (torchrun, or "
                            "dist.init_process_group); use `python -m tribucket.demo` to launch one")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if cfg.top_k > cfg.num_experts(world):
-        raise ValueError(f"--top-k {cfg.top_k} exceeds the {cfg.num_experts(world)} experts of "
-                         f"{world} rank(s) x --experts-per-rank {cfg.experts_per_rank}: lower "
-                         "--top-k or raise --experts-per-rank")
+    _check_world(cfg, world)  # on every rank alike, before any collective
     if device is None:
         device = torch.device("cpu")
     data = CharData(load_text(cfg.text), cfg.seq_len)
@@ -562,7 +554,12 @@ def _progress_bar(total: int, desc: str, enabled: bool):
         from tqdm import tqdm
     except ImportError:
         return _LineBar(total, desc)
-    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, mininterval=0.25)
+    try:  # a terminal that reports 0 columns (some ptys) would make tqdm print nothing
+        sized = os.get_terminal_size(sys.stderr.fileno()).columns > 0
+    except (OSError, ValueError, AttributeError):
+        sized = False
+    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=sized,
+                ncols=None if sized else 110, mininterval=0.25)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -754,10 +751,20 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoConfig:
     values = vars(ns)
     values["out_dir"] = values["out_dir"] or None
     try:
-        return DemoConfig(**{f.name: values[f.name] for f in fields(DemoConfig)})
+        cfg = DemoConfig(**{f.name: values[f.name] for f in fields(DemoConfig)})
+        if not _under_torchrun():  # the demo launches --nproc ranks: the world size is known
+            _check_world(cfg, cfg.nproc)
     except ValueError as e:
         p.error(str(e))
         raise  # unreachable: p.error exits
+    return cfg
+
+
+def _check_world(cfg: DemoConfig, world: int) -> None:
+    if cfg.top_k > cfg.num_experts(world):
+        raise ValueError(f"--top-k {cfg.top_k} exceeds the {cfg.num_experts(world)} experts of "
+                         f"{world} rank(s) x --experts-per-rank {cfg.experts_per_rank}: lower "
+                         "--top-k or raise --experts-per-rank")
 
 
 def _under_torchrun() -> bool:
@@ -793,7 +800,9 @@ def torchrun_command(cfg: DemoConfig) -> list[str]:
 
 def _launch(cfg: DemoConfig) -> int:
     cmd = torchrun_command(cfg)
-    print("launching:", " ".join(cmd), flush=True)
+    shown = [os.path.relpath(cmd[0]) if cmd[0].startswith(os.getcwd() + os.sep) else cmd[0],
+             *cmd[1:]]
+    print("launching:", " ".join(shown), flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # the demo sets its threads itself (--threads)
     if hasattr(os, "execve"):
@@ -838,7 +847,7 @@ def _worker(cfg: DemoConfig) -> int:
                   f"{world * cfg.batch_size * cfg.seq_len:,} tokens", flush=True)
         try:
             result = run_demo(cfg, progress=True, device=device)
-        except NotImplementedError as e:  # raised alike on every rank, before any collective
+        except (NotImplementedError, ValueError) as e:  # alike on every rank, before any collective
             if rank == 0:
                 print(f"error: {e}", file=sys.stderr)
             return 2
@@ -847,7 +856,7 @@ def _worker(cfg: DemoConfig) -> int:
             print(format_table(result))
             if result["out_dir"]:
                 print(f"\nloss curves, step times (PNG + JSON): {result['out_dir']}/")
-            print(f"both runs: {result['wall_s']:.1f} s")
+            print(f"{'both runs' if cfg.compare else 'training'}: {result['wall_s']:.1f} s")
         # rank 0 alone reports a mismatch of the default hook in its exit code: a rank that
         # exits non-zero makes torchrun stop the others, and rank 0 must print first
         failed = rank == 0 and cfg.hook == "none" and cfg.compare and not result["agree"]
