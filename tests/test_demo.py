@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from tribucket import demo
-from tribucket.demo import PARAM_TOLERANCE, DemoConfig, parse_args, run_demo
+from tribucket.demo import LOSS_TOLERANCE, PARAM_TOLERANCE, DemoConfig, parse_args, run_demo
 
 # a model small enough for a few steps on a busy 2-core machine, big enough to learn
 TINY = dict(d_model=32, heads=2, layers=2, experts_per_rank=2, ffn_hidden=48, seq_len=32,
@@ -58,7 +58,8 @@ def test_demo_matches_ddp_and_learns(dist_run, tmp_path):
     assert math.isclose(res["tribucket"]["val_loss"], res["ddp"]["val_loss"], abs_tol=1e-4)
     d = res["param_diff"]
     assert d["max_abs_diff"] <= PARAM_TOLERANCE, d
-    assert res["agree"] is True
+    assert res["routing_differs_from"] is None and res["loss_diff_same_routing"] <= LOSS_TOLERANCE
+    assert res["agree"] is True and res["verdict"] == "agree"
     # tribucket allreduces the dense gradients only; DDP every expert's too
     assert 0 < res["tribucket"]["bytes_per_step"] < res["ddp"]["bytes_per_step"]
     assert all(t > 0 for t in res["tribucket"]["step_s"] + res["tribucket"]["comm_exposed_s"])
@@ -83,6 +84,7 @@ def test_demo_other_world_sizes(dist_run, world_size):
     assert res["world_size"] == world_size
     _assert_learns(res, "tribucket", drop=0.3)
     assert res["param_diff"]["max_abs_diff"] <= PARAM_TOLERANCE, res["param_diff"]
+    assert res["verdict"] == "agree" and res["routing_differs_from"] is None
 
 
 def test_demo_hooks_against_ddp(dist_run):
@@ -98,10 +100,24 @@ def test_demo_hooks_against_ddp(dist_run):
         if hook == "gossip":
             assert diff <= PARAM_TOLERANCE, (hook, res["param_diff"])
         else:
-            assert diff > PARAM_TOLERANCE and res["agree"] is False, (hook, res["param_diff"])
+            assert diff > PARAM_TOLERANCE and res["verdict"] == "hook", (hook, res["param_diff"])
     # fused compression halves the bytes on the wire
     assert per_rank[0][0]["tribucket"]["bytes_per_step"] * 2 == \
         per_rank[0][3]["tribucket"]["bytes_per_step"]
+
+
+@pytest.mark.parametrize("hook, agree, routing_from, loss_diff, verdict", [
+    ("none", True, None, 0.0, "agree"),
+    ("none", True, 5, 1e-3, "agree"),          # parameters agree: nothing else matters
+    ("fp16", False, None, 1e-3, "hook"),
+    ("none", False, 81, 5e-7, "routing"),      # a near-tie flipped; same losses before it
+    ("none", False, 3, 8e-3, "bug"),           # losses parted before the routing did
+    ("none", False, None, 5e-7, "bug"),        # same routing throughout, other parameters
+])
+def test_verdict_tells_near_ties_from_bugs(hook, agree, routing_from, loss_diff, verdict):
+    result = {"agree": agree, "routing_differs_from": routing_from,
+              "loss_diff_same_routing": loss_diff}
+    assert demo._verdict(DemoConfig(hook=hook), result) == verdict
 
 
 def _run_pairwise() -> dict | str:
