@@ -154,6 +154,7 @@ def test_run_demo_needs_a_process_group():
     (["--lr", "nan"], ["--lr", "nan"]),
     (["--lr", "0"], ["--lr", "positive"]),
     (["--batch-size", "0"], ["--batch-size", "0"]),
+    (["--threads", "0"], ["--threads", "positive", "0"]),
     (["--text", "/no/such/file.txt"], ["--text", "/no/such/file.txt", "not a file"]),
 ])
 def test_parser_rejects_bad_values(capsys, argv, words):

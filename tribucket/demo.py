@@ -106,8 +106,9 @@ class DemoConfig:
     text: str | None = None
     #: figures and JSON go to <out_dir>/<timestamp>/; None writes nothing
     out_dir: str | None = "runs"
-    #: intra-op threads per process on CPU; None: cores / processes on this node
-    threads: int | None = None
+    #: intra-op threads per process on CPU. 1 by default: with other work on the machine,
+    #: OpenMP threads that spin-wait for a busy core made every step 20-40x slower here
+    threads: int = 1
     #: run torch DDP after tribucket and compare (False: tribucket only)
     compare: bool = True
 
@@ -118,10 +119,8 @@ class DemoConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
 
         for name in ("steps", "nproc", "d_model", "heads", "layers", "experts_per_rank", "top_k",
-                     "ffn_hidden", "seq_len", "batch_size", "eval_batches"):
+                     "ffn_hidden", "seq_len", "batch_size", "eval_batches", "threads"):
             positive(name)
-        if self.threads is not None:
-            positive("threads")
         if self.d_model % self.heads:
             raise ValueError(f"--d-model {self.d_model} is not divisible by --heads {self.heads}: "
                              f"pick a head count that divides it (e.g. --heads "
@@ -800,8 +799,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--text", default=None, help="UTF-8 training text (default: built-in sonnets)")
     p.add_argument("--out-dir", default=d.out_dir,
                    help="figures go to OUT_DIR/<timestamp>/ (%(default)s); '' writes nothing")
-    p.add_argument("--threads", type=int, default=None,
-                   help="intra-op threads per process on CPU (default: cores / processes)")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="intra-op threads per process on CPU (%(default)s; more pay only on an "
+                        "idle machine with cores to spare)")
     p.add_argument("--no-ddp", dest="compare", action="store_false",
                    help="skip the DDP baseline and the comparison")
     return p
@@ -878,7 +878,6 @@ def _launch(cfg: DemoConfig) -> int:
 def _worker(cfg: DemoConfig) -> int:
     """One rank under torchrun: set up the device and group, run, report on rank 0."""
     local_rank = int(os.environ["LOCAL_RANK"])
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     backend = cfg.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -896,7 +895,7 @@ def _worker(cfg: DemoConfig) -> int:
         dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(cfg.threads)
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
