@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,perf]'
 	@touch $(STAMP)
 
+# The demo relaunches itself as .venv/bin/torchrun --standalone --nproc-per-node 2 (gloo on
+# CPU) and prints that command; options pass through: make demo ARGS="--steps 300 --nproc 3".
 demo: $(STAMP)
 	$(PY) -m tribucket.demo $(ARGS)
 

@@ -658,6 +658,16 @@ class BucketPlan:
             return
         self._unpack_torch(buffer, tensors, scale, accumulate, dtypes, check)
 
+    def forget(self, buf: torch.Tensor) -> None:
+        """Drop the views this plan caches of ``buf`` (they keep its storage referenced).
+
+        The reducer calls this when it lends a bucket to the gradients, so the storage's use
+        count tells whether anything but the reducer still holds it.
+        """
+        ptr = buf.data_ptr()
+        for key in [k for k in self._views if k[0] == ptr]:
+            del self._views[key]
+
     # -- torch path ---------------------------------------------------------------------
     def _out_views(self, buf: torch.Tensor) -> _OutViews:
         key = (buf.data_ptr(), buf.dtype, buf.numel())

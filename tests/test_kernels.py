@@ -430,6 +430,25 @@ def test_sources_that_are_views_of_their_own_slot(backend, device):
         assert_bitwise(out, expected, f"scale {scale}")
 
 
+def test_forget_releases_the_cached_views():
+    """The plan's cached views reference the buffer's storage until forget(buf)."""
+    def use_count(t):
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+    plan = kernels.BucketPlan([3, 5], [0, 4], 9, "cpu", backend="torch")
+    buf, other = torch.zeros(9), torch.zeros(9)
+    base = use_count(buf)
+    plan.pack([torch.ones(3), torch.ones(5)], buf, scale=0.5)
+    plan.unpack(buf, [torch.ones(3), torch.ones(5)])
+    plan.pack([torch.ones(3), torch.ones(5)], other)
+    assert use_count(buf) > base
+    plan.forget(buf)
+    assert use_count(buf) == base
+    assert len(plan._views) == 1, "views of other buffers are kept"
+    plan.pack([torch.ones(3), torch.ones(5)], buf)  # still works after forgetting
+    assert torch.equal(buf, torch.tensor([1, 1, 1, 0, 1, 1, 1, 1, 1.0]))
+
+
 @pytest.mark.parametrize("device", TORCH)
 def test_thousands_of_tiny_tensors(device):
     sizes = [1 + i % 5 for i in range(5000)]

@@ -85,8 +85,21 @@ CASES = [
 ]
 
 
-def _parity_many(cases, **kw):
-    return [_parity(name, ddp_kwargs=d, tb_kwargs=t, **kw) for name, d, t in cases]
+def _parity_many(cases, eager=None, **kw):
+    """Run the cases; ``eager="0"`` forces the one-launch bucket pack (the GPU strategy)."""
+    import os
+
+    old = os.environ.get("TRIBUCKET_EAGER_PACK")
+    if eager is not None:
+        os.environ["TRIBUCKET_EAGER_PACK"] = eager
+    try:
+        return [_parity(name, ddp_kwargs=d, tb_kwargs=t, **kw) for name, d, t in cases]
+    finally:
+        if eager is not None:
+            if old is None:
+                del os.environ["TRIBUCKET_EAGER_PACK"]
+            else:
+                os.environ["TRIBUCKET_EAGER_PACK"] = old
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -111,6 +124,14 @@ def test_no_sync_matches_ddp(dist_run):
     cases += [("mlp", dict(bucket_cap_mb=0.001, gradient_as_bucket_view=True),
                dict(bucket_cap_mb=0.001, gradient_as_bucket_view=True))]
     dist_run(_parity_many, cases, no_sync_every=3, world_size=2, timeout=240)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_bucket_pack_strategy_matches_ddp(dist_run, set_to_none):
+    """The GPU strategy (pack a bucket in one launch when complete) forced on CPU."""
+    cases = [c for c in CASES if c[0] in ("mlp", "mixed", "branchy", "tied", "sparse")]
+    dist_run(_parity_many, cases, eager="0", set_to_none=set_to_none, no_sync_every=3,
+             world_size=2, timeout=240)
 
 
 def test_static_graph_and_adamw(dist_run):

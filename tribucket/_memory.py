@@ -31,10 +31,11 @@ def _use_count(t: torch.Tensor) -> int:
 
 class BucketMemory:
     __slots__ = ("bucket", "params", "dtype", "plan", "always_view", "transfer", "active",
-                 "lent", "_ptr_offsets", "_contiguous", "_gaps", "_base_count")
+                 "lent", "eager", "_ptr_offsets", "_contiguous", "_gaps", "_base_count",
+                 "_mode", "_copied")
 
     def __init__(self, bucket: Bucket, params: list[torch.Tensor], wire_dtype: torch.dtype,
-                 plan, always_view: bool):
+                 plan, always_view: bool, eager: bool = False):
         self.bucket = bucket             # layout of the bucket
         self.params = params             # its parameters, in layout order
         self.dtype = wire_dtype          # dtype of the flat buffer (the wire)
@@ -49,6 +50,12 @@ class BucketMemory:
         self._contiguous = [p.is_contiguous() for p in params]
         self._gaps = self._gap_index(bucket)  # padding positions to zero in a new buffer
         self._base_count = None            # storage use count of a buffer nobody else holds
+        # eager: copy each gradient into its slot the moment it is ready (CPU: it is still in
+        # cache, and the bucket is packed when its last gradient arrives); else pack the
+        # whole bucket in one launch when it is complete (GPU: one kernel per bucket)
+        self.eager = eager and self.transfer
+        self._mode = None                  # this pass: None, "copy" (eager) or "inplace"
+        self._copied = bytearray(len(params))  # this pass: slot already holds its gradient
 
     @staticmethod
     def _gap_index(bucket: Bucket) -> torch.Tensor | None:
@@ -81,8 +88,55 @@ class BucketMemory:
         return (g is not None and buf is not None and g.dtype == buf.dtype
                 and g.data_ptr() == buf.data_ptr() + self._ptr_offsets[k])
 
+    def _acquire(self) -> torch.Tensor:
+        """The buffer this pass packs into: the lent one if nothing else holds it."""
+        buf = self.active
+        if buf is None:
+            lent = self.lent
+            if lent is not None and (self.always_view or self._is_free(lent)):
+                buf, self.lent = lent, None
+            else:
+                buf = self._new_buffer()
+            self.active = buf
+        return buf
+
+    def put(self, k: int, g: torch.Tensor, scale: float) -> None:
+        """Eager mode: copy gradient ``k`` (times ``scale``) into its slot now."""
+        if self._mode is None:
+            if self.lent is not None and self.is_view(k, g, self.lent):
+                self._mode = "inplace"  # autograd accumulated into the bucket: pack scales it
+                return
+            self._acquire()
+            self._mode = "copy"
+        if self._mode != "copy":
+            return
+        buf = self.active
+        view = buf.narrow(0, self.bucket.offsets[k], self.bucket.sizes[k])
+        if self.is_view(k, g, buf):
+            if scale != 1.0:
+                view.mul_(scale)
+        elif scale != 1.0:
+            torch.mul(g.reshape(-1), scale, out=view)
+        else:
+            view.copy_(g.reshape(-1))
+        self._copied[k] = 1
+
     def pack(self, grads: list, scale: float, found_inf) -> torch.Tensor:
         """Put the bucket's gradients (``None``: zeros) into the buffer, times ``scale``."""
+        if self._mode == "copy":
+            # eager: most slots are filled; zero the missing ones, copy any stragglers
+            buf = self.active
+            for k, g in enumerate(grads):
+                if not self._copied[k]:
+                    view = buf.narrow(0, self.bucket.offsets[k], self.bucket.sizes[k])
+                    if g is None:
+                        view.zero_()
+                    else:
+                        torch.mul(g.reshape(-1), scale, out=view)
+            self._mode = None
+            self._copied = bytearray(len(self.params))
+            return buf
+        self._mode = None
         lent = self.lent
         if lent is not None and self.transfer and all(
                 g is None or self.is_view(k, g, lent) for k, g in enumerate(grads)):
@@ -96,13 +150,7 @@ class BucketMemory:
             if found_inf is not None and not bool(torch.isfinite(lent).all()):
                 found_inf.fill_(1.0)
             return lent
-        buf = self.active
-        if buf is None:
-            if lent is not None and (self.always_view or self._is_free(lent)):
-                buf, self.lent = lent, None
-            else:
-                buf = self._new_buffer()
-            self.active = buf
+        buf = self._acquire()
         self.plan.pack(grads, buf, scale=scale, found_inf=found_inf)
         return buf
 
@@ -125,6 +173,9 @@ class BucketMemory:
                 else:
                     g.copy_(view)
             self.lent, self.active = buf, None
+            # the plan caches views of the buffers it packs into: drop them, so the storage
+            # use count tells whether anything but the reducer still holds the buffer
+            self.plan.forget(buf)
             return
         if self.always_view and buf is not None and result.numel() == buf.numel():
             buf.copy_(result)  # a hook returned another tensor: the bucket backs .grad

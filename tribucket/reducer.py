@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -161,6 +162,7 @@ class Reducer(Joinable):
         self._bucket_params: list[list[torch.Tensor]] = []
         self._bucket_index: list[list[int]] = []   # per bucket: parameter indices
         self._allocated = False
+        self._pack_mode = os.environ.get("TRIBUCKET_EAGER_PACK")
         # iteration state
         self._pass: _Pass | None = None
         self._sync_enabled = True              # False inside no_sync()
@@ -472,7 +474,12 @@ class Reducer(Joinable):
 
     def _mark_ready(self, p: _Pass, index: int) -> None:
         p.ready[index] = 1
-        b, _ = self._layout.locate(index)
+        b, k = self._slot[index]
+        mem = self._mem[b]
+        if mem is not None and mem.eager:
+            g = self._params[index].grad
+            if g is not None:
+                mem.put(k, g, p.scale)
         p.pending[b] -= 1
         if p.pending[b] == 0:
             p.state[b] = _BucketState.READY
@@ -495,7 +502,10 @@ class Reducer(Joinable):
             encoded[2] = align
             self._layout = BucketLayout.from_tensor(encoded, self._params)
         self._mem, self._bucket_params, self._bucket_index = [], [], []
-        for bucket in self._layout.buckets:
+        self._slot = [(0, 0)] * len(self._params)  # parameter -> (bucket, position in it)
+        for b, bucket in enumerate(self._layout.buckets):
+            for k, i in enumerate(bucket.indices):
+                self._slot[i] = (b, k)
             params = [self._params[i] for i in bucket.indices]
             self._bucket_params.append(params)
             self._bucket_index.append(list(bucket.indices))
@@ -504,7 +514,8 @@ class Reducer(Joinable):
                 continue
             plan = kernels.BucketPlan(bucket.sizes, bucket.offsets, bucket.numel, bucket.device)
             mem = BucketMemory(bucket, params, self._wire_dtype(bucket.dtype), plan,
-                               always_view=self.config.gradient_as_bucket_view)
+                               always_view=self.config.gradient_as_bucket_view,
+                               eager=self._eager_pack())
             if self.config.gradient_as_bucket_view and any(q.grad is not None for q in params):
                 # (rebuild) carry the accumulated gradients over and view the new bucket
                 buf = mem.pack([q.grad for q in params], 1.0, None)
@@ -516,6 +527,14 @@ class Reducer(Joinable):
         # the user keeps across iterations holds on to an older buffer on top of this
         self.stats.bucket_bytes_allocated = sum(m.capacity_bytes() for m in self._mem
                                                 if m is not None)
+
+    def _eager_pack(self) -> bool:
+        """CPU: copy each gradient into its bucket when it is ready, as DDP does (the copy
+        reads it from cache, and a bucket is ready to send when its last gradient lands).
+        GPU: one fused pack launch per complete bucket (see kernels.BucketPlan)."""
+        if self._pack_mode is not None:  # "1"/"0": forced (tests and benchmarks)
+            return self._pack_mode == "1"
+        return self._device.type == "cpu"
 
     def _align_bytes(self) -> int:
         # Padding only helps the GPU kernels; generic hooks get DDP's unpadded buffers
