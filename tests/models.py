@@ -136,6 +136,9 @@ BUILDERS = {
     "transformer": (small_transformer, lambda g: torch.randn(2, 5, 16, generator=g)),
     "tied": (Tied, lambda g: torch.randint(0, 20, (4, 3), generator=g)),
     "bn": (BNConv, lambda g: torch.randn(4, 3, 6, 6, generator=g)),
+    "bn_channels_last": (lambda: BNConv().to(memory_format=torch.channels_last),
+                         lambda g: torch.randn(4, 3, 6, 6, generator=g).to(
+                             memory_format=torch.channels_last)),
     "branchy": (Branchy, lambda g: torch.randn(4, 10, generator=g)),
     "branchy_static": (lambda: Branchy(always=True), lambda g: torch.randn(4, 10, generator=g)),
     "mixed": (Mixed, lambda g: torch.randn(4, 8, generator=g)),

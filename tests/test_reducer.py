@@ -73,6 +73,7 @@ CASES = [
     ("transformer", dict(bucket_cap_mb=0.005), dict(bucket_cap_mb=0.005)),
     ("tied", dict(bucket_cap_mb=0.001), dict(bucket_cap_mb=0.001)),
     ("bn", dict(bucket_cap_mb=0.001), dict(bucket_cap_mb=0.001)),
+    ("bn_channels_last", dict(bucket_cap_mb=0.001), dict(bucket_cap_mb=0.001)),
     ("branchy", dict(find_unused_parameters=True, bucket_cap_mb=0.0005),
      dict(find_unused_parameters=True, bucket_cap_mb=0.0005)),
     ("mixed", dict(bucket_cap_mb=0.0005), dict(bucket_cap_mb=0.0005)),
@@ -129,7 +130,8 @@ def test_no_sync_matches_ddp(dist_run):
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_bucket_pack_strategy_matches_ddp(dist_run, set_to_none):
     """The GPU strategy (pack a bucket in one launch when complete) forced on CPU."""
-    cases = [c for c in CASES if c[0] in ("mlp", "mixed", "branchy", "tied", "sparse")]
+    cases = [c for c in CASES if c[0] in ("mlp", "mixed", "branchy", "tied", "sparse",
+                                          "bn_channels_last")]
     dist_run(_parity_many, cases, eager="0", set_to_none=set_to_none, no_sync_every=3,
              world_size=2, timeout=240)
 

@@ -32,7 +32,7 @@ def _use_count(t: torch.Tensor) -> int:
 class BucketMemory:
     __slots__ = ("bucket", "params", "dtype", "plan", "always_view", "transfer", "active",
                  "lent", "eager", "_ptr_offsets", "_contiguous", "_gaps", "_base_count",
-                 "_mode", "_copied")
+                 "_mode", "_copied", "_checked", "_checked_unpack")
 
     def __init__(self, bucket: Bucket, params: list[torch.Tensor], wire_dtype: torch.dtype,
                  plan, always_view: bool, eager: bool = False):
@@ -56,6 +56,7 @@ class BucketMemory:
         self.eager = eager and self.transfer
         self._mode = None                  # this pass: None, "copy" (eager) or "inplace"
         self._copied = bytearray(len(params))  # this pass: slot already holds its gradient
+        self._checked = self._checked_unpack = False  # the kernels validated our tensors once
 
     @staticmethod
     def _gap_index(bucket: Bucket) -> torch.Tensor | None:
@@ -151,7 +152,10 @@ class BucketMemory:
                 found_inf.fill_(1.0)
             return lent
         buf = self._acquire()
-        self.plan.pack(grads, buf, scale=scale, found_inf=found_inf)
+        # the kernels take dense, contiguous sources (a channels_last gradient is copied)
+        grads = [g if g is None or g.is_contiguous() else g.contiguous() for g in grads]
+        self.plan.pack(grads, buf, scale=scale, found_inf=found_inf, check=not self._checked)
+        self._checked = True  # same tensors every iteration: validate them once
         return buf
 
     def finish(self, result: torch.Tensor, targets: list[bool]) -> None:
@@ -181,15 +185,21 @@ class BucketMemory:
             buf.copy_(result)  # a hook returned another tensor: the bucket backs .grad
             self.finish(buf, targets)
             return
-        grads = []
+        grads, strided = [], []
         for k, q in enumerate(self.params):
-            if not targets[k]:
-                grads.append(None)
-                continue
-            if q.grad is None:
-                q.grad = torch.empty_like(q)  # used on another rank only: gets the average
-            grads.append(q.grad)
-        self.plan.unpack(result, grads)
+            g = q.grad if targets[k] else None
+            if targets[k] and g is None:
+                # used on another rank only: receives the average
+                g = q.grad = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            if g is not None and not g.is_contiguous():
+                strided.append((g, k))  # e.g. channels_last: unpacked through a copy
+                g = None
+            grads.append(g)
+        self.plan.unpack(result, grads, check=not self._checked_unpack)
+        self._checked_unpack = True
+        for g, k in strided:
+            off, n = self.bucket.offsets[k], self.bucket.sizes[k]
+            g.copy_(result.narrow(0, off, n).view(g.shape))
 
     def reset(self) -> None:
         self.active = self.lent = None

@@ -18,6 +18,26 @@ BROADCAST_BUCKET_BYTES = 250 * 2**20
 _MAX_IN_FLIGHT = 2
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers a gap-free, non-overlapping block of memory in some dim order."""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _flat_memory(t: torch.Tensor, i: int) -> torch.Tensor:
+    """A 1-D view of ``t``'s memory (channels_last and other dense layouts included)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    if not _dense(t):
+        raise ValueError(f"broadcast_coalesced: tensor {i} (shape {list(t.shape)}, strides "
+                         f"{list(t.stride())}) has gaps or overlaps; make it contiguous first")
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
                         group: dist.ProcessGroup | None = None,
                         bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
@@ -28,12 +48,11 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
     for any dtype: int64 counters, fp64, bool...), broadcast with at most two broadcasts in
     flight, and unpacked. ``src`` is a rank of ``group``.
     """
-    tensors = [t for t in tensors if t.numel() > 0]
+    tensors = [_flat_memory(t, i) for i, t in enumerate(tensors) if t.numel() > 0]
     if not tensors or dist.get_world_size(group) == 1:
         return
-    for i, t in enumerate(tensors):
-        if not t.is_contiguous():
-            raise ValueError(f"broadcast_coalesced: tensor {i} is not contiguous")
+    # every rank holds the same strides (the reducer verifies them), so broadcasting the
+    # memory order moves every element to its place
     is_src = dist.get_rank(group) == src
     global_src = dist.get_global_rank(group, src) if group is not None else src
     layout = compute_layout(tensors, bucket_cap_bytes=bucket_bytes,
