@@ -46,7 +46,7 @@ def _unflatten(flat, model):
 
 
 # ---------------------------------------------------------------- built-in hooks vs reference
-def _builtin_hooks_vs_reference(hook_name, state_kind, steps=3):
+def _builtin_hooks_vs_reference(hook_name, state_kind, steps=3, chunk_mb=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build("mlp")
     hook = getattr(hooks, hook_name)
@@ -55,7 +55,8 @@ def _builtin_hooks_vs_reference(hook_name, state_kind, steps=3):
              else hooks.CompressionState()}[state_kind]
     if hook_name == "gossip_hook" and state_kind != "state":
         state = hooks.GossipState()
-    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001) as reducer:
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, comm_chunk_mb=chunk_mb) \
+            as reducer:
         reducer.register_comm_hook(state, hook)
         for step in range(steps):
             x = batch("mlp", rank, step)
@@ -96,6 +97,14 @@ def test_builtin_hook_against_reference(dist_run, world_size, hook_name, state_k
                        world_size=world_size)
     if hook_name == "gossip_hook":
         assert results[0][1] == 3  # the schedule advanced once per iteration
+
+
+@pytest.mark.parametrize("hook_name", ["allreduce_hook", "fp16_compress_hook",
+                                       "bf16_compress_hook"])
+def test_builtin_hook_sent_in_chunks(dist_run, hook_name):
+    """The single-allreduce hooks may be sent in chunks: same result."""
+    dist_run(_builtin_hooks_vs_reference, hook_name, "state" if "fp16" in hook_name else "none",
+             chunk_mb=0.0002, world_size=3)
 
 
 def test_gossip_hypercube_at_four_ranks(dist_run):

@@ -83,6 +83,11 @@ CASES = [
     ("ckpt_reentrant", dict(static_graph=True, bucket_cap_mb=0.0005),
      dict(static_graph=True, bucket_cap_mb=0.0005)),
     ("sparse", {}, {}),
+    # the averaging allreduce sent in chunks as their gradients arrive (tiny chunks here)
+    ("mlp", dict(bucket_cap_mb=0.002), dict(bucket_cap_mb=0.002, comm_chunk_mb=0.0003)),
+    ("transformer", dict(bucket_cap_mb=0.005), dict(bucket_cap_mb=0.005, comm_chunk_mb=0.001)),
+    ("branchy", dict(find_unused_parameters=True), dict(find_unused_parameters=True,
+                                                        comm_chunk_mb=0.0002)),
 ]
 
 
@@ -123,7 +128,7 @@ def test_gradient_as_bucket_view(dist_run, set_to_none):
 def test_no_sync_matches_ddp(dist_run):
     cases = [c for c in CASES if c[0] in ("mlp", "branchy", "bn")]
     cases += [("mlp", dict(bucket_cap_mb=0.001, gradient_as_bucket_view=True),
-               dict(bucket_cap_mb=0.001, gradient_as_bucket_view=True))]
+               dict(bucket_cap_mb=0.001, gradient_as_bucket_view=True, comm_chunk_mb=0.0003))]
     dist_run(_parity_many, cases, no_sync_every=3, world_size=2, timeout=240)
 
 

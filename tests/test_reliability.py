@@ -21,14 +21,14 @@ from test_reducer import assert_states_equal
 
 
 # ---------------------------------------------------------------- Join: uneven inputs
-def _join_vs_ddp(name, kwargs, divide_by_initial, hook=None):
+def _join_vs_ddp(name, kwargs, divide_by_initial, hook=None, chunk_mb=None):
     rank = dist.get_rank()
     n_batches = 2 + rank  # every rank has a different number of batches
     mine, theirs = build(name), build(name)
     ddp = DDP(theirs, **kwargs)
     opt_a = torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9)
     opt_b = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)
-    with tribucket.fused_bucketing(mine, **kwargs) as reducer:
+    with tribucket.fused_bucketing(mine, comm_chunk_mb=chunk_mb, **kwargs) as reducer:
         if hook is not None:
             reducer.register_comm_hook(None, getattr(hooks, hook))
             ddp.register_comm_hook(None, getattr(hooks, hook))
@@ -58,9 +58,9 @@ def test_join_matches_ddp_join(dist_run, world_size, divide_by_initial):
             assert all(torch.equal(a, b) for a, b in zip(results[0], r))
 
 
-def test_join_with_fused_fp16_hook(dist_run):
+def test_join_with_builtin_hook_and_chunks(dist_run):
     dist_run(_join_vs_ddp, "mlp", dict(bucket_cap_mb=0.001), True, hook="allreduce_hook",
-             world_size=3)
+             chunk_mb=0.0002, world_size=3)
 
 
 def _join_throw():

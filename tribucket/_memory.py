@@ -53,7 +53,7 @@ class BucketMemory:
         # eager: copy each gradient into its slot the moment it is ready (CPU: it is still in
         # cache, and the bucket is packed when its last gradient arrives); else pack the
         # whole bucket in one launch when it is complete (GPU: one kernel per bucket)
-        self.eager = eager and self.transfer
+        self.eager = eager
         self._mode = None                  # this pass: None, "copy" (eager) or "inplace"
         self._copied = bytearray(len(params))  # this pass: slot already holds its gradient
         self._checked = self._checked_unpack = False  # the kernels validated our tensors once
@@ -101,42 +101,40 @@ class BucketMemory:
             self.active = buf
         return buf
 
-    def put(self, k: int, g: torch.Tensor, scale: float) -> None:
-        """Eager mode: copy gradient ``k`` (times ``scale``) into its slot now."""
+    def put(self, k: int, g: torch.Tensor | None, scale: float, found_inf=None) -> None:
+        """Eager mode: put gradient ``k`` (times ``scale``; ``None``: zeros) in its slot now."""
         if self._mode is None:
-            if self.lent is not None and self.is_view(k, g, self.lent):
-                self._mode = "inplace"  # autograd accumulated into the bucket: pack scales it
-                return
-            self._acquire()
-            self._mode = "copy"
-        if self._mode != "copy":
-            return
+            if self.transfer and self.lent is not None and self.is_view(k, g, self.lent):
+                # autograd accumulated into the bucket (zero_grad(set_to_none=False))
+                self.active, self.lent, self._mode = self.lent, None, "inplace"
+            else:
+                self._acquire()
+                self._mode = "copy"
         buf = self.active
         view = buf.narrow(0, self.bucket.offsets[k], self.bucket.sizes[k])
-        if self.is_view(k, g, buf):
+        if g is None:
+            view.zero_()
+        elif self.is_view(k, g, buf):
             if scale != 1.0:
                 view.mul_(scale)
-        elif scale != 1.0:
-            torch.mul(g.reshape(-1), scale, out=view)
+        elif scale != 1.0 or g.dtype != buf.dtype:
+            torch.mul(g.reshape(-1), scale, out=view)  # fp32 math, one rounding cast
         else:
             view.copy_(g.reshape(-1))
+        if found_inf is not None and g is not None and not bool(torch.isfinite(view).all()):
+            found_inf.fill_(1.0)  # checked while the slot is still in cache
         self._copied[k] = 1
 
     def pack(self, grads: list, scale: float, found_inf) -> torch.Tensor:
         """Put the bucket's gradients (``None``: zeros) into the buffer, times ``scale``."""
-        if self._mode == "copy":
-            # eager: most slots are filled; zero the missing ones, copy any stragglers
-            buf = self.active
+        if self._mode is not None:
+            # eager: the ready slots are filled; put the rest (zeros for missing gradients)
             for k, g in enumerate(grads):
                 if not self._copied[k]:
-                    view = buf.narrow(0, self.bucket.offsets[k], self.bucket.sizes[k])
-                    if g is None:
-                        view.zero_()
-                    else:
-                        torch.mul(g.reshape(-1), scale, out=view)
+                    self.put(k, g, scale, found_inf)
             self._mode = None
             self._copied = bytearray(len(self.params))
-            return buf
+            return self.active
         self._mode = None
         lent = self.lent
         if lent is not None and self.transfer and all(

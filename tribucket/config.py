@@ -49,6 +49,12 @@ class ReducerConfig:
     broadcast_buffers: bool = True
     #: parameters (or their qualified names) this reducer leaves alone
     ignore_parameters: tuple = ()
+    #: split the averaging allreduce of each bucket into chunks of about this many MiB,
+    #: each launched as soon as its gradients are in, so communication overlaps the rest of
+    #: backward (hooks still see whole, DDP-equal buckets). ``None``: 2 MiB where gradients
+    #: are packed as they arrive (CPU), off where buckets are packed in one launch (GPU);
+    #: ``0``: off. Applies to the default allreduce and tribucket's allreduce/fp16/bf16 hooks
+    comm_chunk_mb: float | None = None
     #: a collective that takes longer than this fails instead of hanging (``None``: the
     #: process group's own timeout); see the README's Reliability section
     timeout: datetime.timedelta | None = None
@@ -59,6 +65,8 @@ class ReducerConfig:
     def __post_init__(self) -> None:
         _positive_mb("bucket_cap_mb", self.bucket_cap_mb)
         _positive_mb("first_bucket_cap_mb", self.first_bucket_cap_mb)
+        if self.comm_chunk_mb is not None and self.comm_chunk_mb != 0:
+            _positive_mb("comm_chunk_mb", self.comm_chunk_mb)
         for name in ("gradient_as_bucket_view", "find_unused_parameters", "static_graph",
                      "broadcast_buffers", "debug"):
             if not isinstance(getattr(self, name), bool):

@@ -30,11 +30,12 @@ class _HookTraits:
     prescale: bool                # the reducer fuses the 1/world_size division into pack
     serialize: bool               # call only after the previous bucket's future completed
     check_overflow: bool          # pack sets found_inf; the reducer agrees on it globally
+    chunkable: bool = False       # one averaging allreduce: the reducer may send it in chunks
 
 
-def _mark(wire_dtype=None, prescale=True):
+def _mark(wire_dtype=None, prescale=True, chunkable=False):
     def deco(fn):
-        fn._tribucket_traits = (wire_dtype, prescale)
+        fn._tribucket_traits = (wire_dtype, prescale, chunkable)
         return fn
     return deco
 
@@ -50,12 +51,12 @@ def _torch_single_collective_hooks() -> tuple:
 
 def _hook_traits(hook: Callable | None, state: Any) -> _HookTraits:
     if hook is None:  # the reducer's own averaging allreduce
-        return _HookTraits(True, None, True, False, False)
+        return _HookTraits(True, None, True, False, False, True)
     own = getattr(hook, "_tribucket_traits", None)
     if own is not None:
-        wire, prescale = own
+        wire, prescale, chunkable = own
         check = bool(getattr(state, "check_overflow", False)) and wire is not None
-        return _HookTraits(True, wire, prescale, False, check)
+        return _HookTraits(True, wire, prescale, False, check, chunkable)
     if hook in _torch_single_collective_hooks():
         return _HookTraits(False, None, False, False, False)
     # anything else may launch collectives from its future callbacks (PowerSGD does)
@@ -103,7 +104,7 @@ class CompressionState:
         self.found_inf = torch.zeros(1)
 
 
-@_mark(prescale=True)
+@_mark(prescale=True, chunkable=True)
 def allreduce_hook(state: Any, bucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over the group with one allreduce (the default behaviour).
 
@@ -142,7 +143,7 @@ def _compress(dtype: torch.dtype, state: Any, bucket) -> torch.futures.Future[to
     return _allreduce(compressed, group).then(decompress)
 
 
-@_mark(wire_dtype=torch.float16)
+@_mark(wire_dtype=torch.float16, chunkable=True)
 def fp16_compress_hook(state: Any, bucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket in ``torch.float16``: half the bytes on the wire.
 
@@ -161,7 +162,7 @@ def fp16_compress_hook(state: Any, bucket) -> torch.futures.Future[torch.Tensor]
     return _compress(torch.float16, state, bucket)
 
 
-@_mark(wire_dtype=torch.bfloat16)
+@_mark(wire_dtype=torch.bfloat16, chunkable=True)
 def bf16_compress_hook(state: Any, bucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket in ``torch.bfloat16``: fp32's range with 8 bits of mantissa.
 

@@ -95,7 +95,7 @@ class _Pass:
 
     __slots__ = ("sync", "ready", "fired", "pending", "state", "next_bucket", "handles",
                  "t_start", "callback_queued", "any_ready", "t_launch", "bytes", "errors",
-                 "scale")
+                 "scale", "prefix", "chunk_next")
 
     def __init__(self, sync: bool, n_params: int, pending: list[int]):
         self.sync = sync                       # False: no_sync, gradients stay local
@@ -112,6 +112,8 @@ class _Pass:
         self.bytes = 0                         # bytes handed to collectives
         self.errors: list[str] = []            # misuse found during backward, raised at the end
         self.scale = 1.0                       # pre-division fused into the pack (1/world)
+        self.prefix = [0] * len(pending)       # per bucket: leading parameters all ready
+        self.chunk_next = [0] * len(pending)   # per bucket: next chunk to send (chunked)
 
 
 class Reducer(Joinable):
@@ -156,11 +158,13 @@ class Reducer(Joinable):
         self._hook: Callable | None = None
         self._hook_state: Any = None
         self._traits = _hook_traits(None, None)
+        self._chunk_group = self._guard.group  # where chunked averaging allreduces go
         # layout and the memory behind it (buffers are allocated at the first backward)
         self._layout = self._initial_layout()
         self._mem: list[BucketMemory | None] = []  # per bucket (None: sparse)
         self._bucket_params: list[list[torch.Tensor]] = []
         self._bucket_index: list[list[int]] = []   # per bucket: parameter indices
+        self._chunks: list[list[tuple[int, int]]] = []  # per bucket: how it is sent
         self._allocated = False
         self._pack_mode = os.environ.get("TRIBUCKET_EAGER_PACK")
         # iteration state
@@ -262,6 +266,10 @@ class Reducer(Joinable):
                 "buffer, so there is no full-precision bucket for .grad to view: use "
                 "gradient_as_bucket_view=False with fused compression hooks")
         self._hook, self._hook_state, self._traits = hook, state, traits
+        if traits.chunkable:  # the reducer sends it itself, on the group the state names
+            named = getattr(state, "process_group", None) if not isinstance(
+                state, dist.ProcessGroup) else state
+            self._chunk_group = named if named is not None else self._guard.group
 
     def state_dict(self) -> dict:
         """What a resumed run needs: the (rebuilt) layout, the iteration count, hook state."""
@@ -477,15 +485,46 @@ class Reducer(Joinable):
         b, k = self._slot[index]
         mem = self._mem[b]
         if mem is not None and mem.eager:
-            g = self._params[index].grad
-            if g is not None:
-                mem.put(k, g, p.scale)
+            mem.put(k, self._params[index].grad, p.scale,
+                    self.found_inf if self._traits.check_overflow else None)
         p.pending[b] -= 1
         if p.pending[b] == 0:
             p.state[b] = _BucketState.READY
-            while p.next_bucket < len(p.state) and p.state[p.next_bucket] == _BucketState.READY:
-                self._launch(p, p.next_bucket)
-                p.next_bucket += 1
+            self._advance(p)
+        elif b == p.next_bucket and len(self._chunks[b]) > 1:
+            self._send_ready_chunks(p, b)
+
+    def _advance(self, p: _Pass) -> None:
+        """Launch every complete bucket whose predecessors are launched, in bucket order,
+        then the ready chunks of the first incomplete one."""
+        while p.next_bucket < len(p.state) and p.state[p.next_bucket] == _BucketState.READY:
+            self._launch(p, p.next_bucket)
+            p.next_bucket += 1
+        b = p.next_bucket
+        if b < len(p.state) and len(self._chunks[b]) > 1:
+            self._send_ready_chunks(p, b)
+
+    def _send_ready_chunks(self, p: _Pass, b: int) -> None:
+        """Send each chunk of bucket ``b`` whose gradients are all in (never the last one:
+        that goes when the bucket completes and is packed)."""
+        idx, k = self._bucket_index[b], p.prefix[b]
+        while k < len(idx) and p.ready[idx[k]]:
+            k += 1
+        p.prefix[b] = k
+        chunks = self._chunks[b]
+        while p.chunk_next[b] < len(chunks) - 1 and chunks[p.chunk_next[b]][0] <= k:
+            self._send_chunk(p, b, self._mem[b].active, p.chunk_next[b])
+            p.chunk_next[b] += 1
+
+    def _send_chunk(self, p: _Pass, b: int, buf: torch.Tensor, c: int) -> None:
+        chunks = self._chunks[b]
+        lo = chunks[c - 1][1] if c else 0
+        seg = buf.narrow(0, lo, chunks[c][1] - lo)
+        p.bytes += seg.numel() * seg.element_size()
+        self._guard.fingerprint("bucket", self._passes, b, seg.numel(), seg.dtype)
+        if p.handles[b] is None:
+            p.handles[b] = []
+        p.handles[b].append(dist.all_reduce(seg, group=self._chunk_group, async_op=True))
 
     def _recording_order(self) -> bool:
         cfg = self.config
@@ -503,6 +542,8 @@ class Reducer(Joinable):
             self._layout = BucketLayout.from_tensor(encoded, self._params)
         self._mem, self._bucket_params, self._bucket_index = [], [], []
         self._slot = [(0, 0)] * len(self._params)  # parameter -> (bucket, position in it)
+        # per bucket: (parameters before the cut, element end) of each chunk it is sent in
+        self._chunks = [[(len(b.indices), b.numel)] for b in self._layout.buckets]
         for b, bucket in enumerate(self._layout.buckets):
             for k, i in enumerate(bucket.indices):
                 self._slot[i] = (b, k)
@@ -516,6 +557,7 @@ class Reducer(Joinable):
             mem = BucketMemory(bucket, params, self._wire_dtype(bucket.dtype), plan,
                                always_view=self.config.gradient_as_bucket_view,
                                eager=self._eager_pack())
+            self._chunks[b] = self._chunk_bounds(bucket, mem)
             if self.config.gradient_as_bucket_view and any(q.grad is not None for q in params):
                 # (rebuild) carry the accumulated gradients over and view the new bucket
                 buf = mem.pack([q.grad for q in params], 1.0, None)
@@ -527,6 +569,22 @@ class Reducer(Joinable):
         # the user keeps across iterations holds on to an older buffer on top of this
         self.stats.bucket_bytes_allocated = sum(m.capacity_bytes() for m in self._mem
                                                 if m is not None)
+
+    def _chunk_bounds(self, bucket, mem: BucketMemory) -> list[tuple[int, int]]:
+        """Where bucket ``bucket``'s allreduce is cut into chunks (at parameter boundaries)."""
+        mb = self.config.comm_chunk_mb
+        if mb is None:
+            mb = 2 if mem.eager else 0  # chunks are sendable early only if packed eagerly
+        if not mb or not mem.eager or not self._traits.chunkable:
+            return [(len(bucket.indices), bucket.numel)]
+        limit = int(mb * 2**20) // torch.empty((), dtype=mem.dtype).element_size()
+        cuts, start = [], 0
+        for k, (off, size) in enumerate(zip(bucket.offsets, bucket.sizes)):
+            if off + size - start >= limit and k < len(bucket.indices) - 1:
+                cuts.append((k + 1, off + size))
+                start = off + size
+        cuts.append((len(bucket.indices), bucket.numel))
+        return cuts
 
     def _eager_pack(self) -> bool:
         """CPU: copy each gradient into its bucket when it is ready, as DDP does (the copy
@@ -565,7 +623,13 @@ class Reducer(Joinable):
         self._send(p, b, buf, params, bucket)
 
     def _send(self, p: _Pass, b: int, buf: torch.Tensor, params: list, bucket) -> None:
-        """Hand a packed bucket to the default allreduce or the comm hook."""
+        """Hand a packed bucket to the default allreduce (whole or its remaining chunks) or
+        to the comm hook."""
+        if len(self._chunks[b]) > 1:
+            while p.chunk_next[b] < len(self._chunks[b]):
+                self._send_chunk(p, b, buf, p.chunk_next[b])
+                p.chunk_next[b] += 1
+            return
         p.bytes += buf.numel() * buf.element_size()
         self._guard.fingerprint("bucket", self._passes, b, buf.numel(), buf.dtype)
         if self._hook is None:
@@ -701,6 +765,10 @@ class Reducer(Joinable):
                     raise RuntimeError(f"tribucket (rank {self.rank}): comm hook "
                                        f"{hook_name(self._hook)} failed on {what}: {e}") from e
                 results.append(check_result(self._hook, b, bucket, value))
+            elif isinstance(h, list):  # a chunked bucket
+                for work in h:
+                    self._guard.wait(work, f"the allreduce of {what}", it)
+                results.append(self._mem[b].active)
             elif isinstance(h, SparseWork):
                 self._guard.wait(h.work, f"the allreduce of {what}", it)
                 results.append(h.work.result()[0])
