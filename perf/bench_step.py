@@ -35,8 +35,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-VARIANTS = ["local", "raw allreduce", "tribucket", "tribucket bucket-pack", "DDP", "DDP view",
-            "tribucket fp16", "DDP fp16"]
+VARIANTS = ["local", "raw allreduce", "tribucket", "tribucket unchunked",
+            "tribucket bucket-pack", "DDP", "DDP view", "tribucket fp16", "DDP fp16"]
 
 
 def make_model(name: str) -> tuple[nn.Module, torch.Tensor]:
@@ -79,6 +79,10 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
     m, x = fresh()
     r = tribucket.Reducer(m)
     add("tribucket", m, m, torch.optim.SGD(m.parameters(), lr=1e-4), r)
+    # without chunks: each bucket's allreduce starts when its last gradient is in
+    m, x = fresh()
+    ru = tribucket.Reducer(m, comm_chunk_mb=0)
+    add("tribucket unchunked", m, m, torch.optim.SGD(m.parameters(), lr=1e-4), ru)
     # the GPU strategy on CPU: pack each bucket in one call when its last gradient arrives
     m, x = fresh()
     rb = tribucket.Reducer(m)
@@ -203,8 +207,8 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
         axes = [axes]
     for ax, res in zip(axes, results):
         vals = [res["median_s"][v] * 1e3 for v in VARIANTS]
-        colors = ["#999999", "#bbbbbb", "#1f77b4", "#aec7e8", "#d62728", "#ff9896", "#6baed6",
-                  "#e377c2"]
+        colors = ["#999999", "#bbbbbb", "#1f77b4", "#9ecae1", "#aec7e8", "#d62728", "#ff9896",
+                  "#6baed6", "#e377c2"]
         ax.bar(range(len(VARIANTS)), vals, color=colors)
         ax.set_xticks(range(len(VARIANTS)), VARIANTS, rotation=30, ha="right")
         ax.set_ylabel("step time, ms (median)")

@@ -32,10 +32,10 @@ def _use_count(t: torch.Tensor) -> int:
 class BucketMemory:
     __slots__ = ("bucket", "params", "dtype", "plan", "always_view", "transfer", "active",
                  "lent", "eager", "_ptr_offsets", "_contiguous", "_gaps", "_base_count",
-                 "_mode", "_copied", "_checked", "_checked_unpack")
+                 "_mode", "_copied", "_checked", "_checked_unpack", "tail")
 
     def __init__(self, bucket: Bucket, params: list[torch.Tensor], wire_dtype: torch.dtype,
-                 plan, always_view: bool, eager: bool = False):
+                 plan, always_view: bool, eager: bool = False, tail: int = 0):
         self.bucket = bucket             # layout of the bucket
         self.params = params             # its parameters, in layout order
         self.dtype = wire_dtype          # dtype of the flat buffer (the wire)
@@ -54,6 +54,9 @@ class BucketMemory:
         # cache, and the bucket is packed when its last gradient arrives); else pack the
         # whole bucket in one launch when it is complete (GPU: one kernel per bucket)
         self.eager = eager
+        # extra elements after the bucket that travel with its allreduce (the reducer's
+        # end-of-backward status rides on the last bucket instead of a collective of its own)
+        self.tail = tail
         self._mode = None                  # this pass: None, "copy" (eager) or "inplace"
         self._copied = bytearray(len(params))  # this pass: slot already holds its gradient
         self._checked = self._checked_unpack = False  # the kernels validated our tensors once
@@ -71,10 +74,15 @@ class BucketMemory:
 
     def capacity_bytes(self) -> int:
         """Bytes of the bucket's buffer in its wire dtype."""
-        return self.bucket.numel * torch.empty((), dtype=self.dtype).element_size()
+        return (self.bucket.numel + self.tail) * torch.empty((), dtype=self.dtype).element_size()
+
+    def body(self, buf: torch.Tensor) -> torch.Tensor:
+        """The bucket part of a buffer (without the tail)."""
+        return buf if not self.tail else buf.narrow(0, 0, self.bucket.numel)
 
     def _new_buffer(self) -> torch.Tensor:
-        buf = torch.empty(self.bucket.numel, dtype=self.dtype, device=self.bucket.device)
+        buf = torch.empty(self.bucket.numel + self.tail, dtype=self.dtype,
+                          device=self.bucket.device)
         if self._gaps is not None:
             buf.index_fill_(0, self._gaps, 0)  # padding is summed too: keep it finite
         if self._base_count is None:
@@ -152,7 +160,8 @@ class BucketMemory:
         buf = self._acquire()
         # the kernels take dense, contiguous sources (a channels_last gradient is copied)
         grads = [g if g is None or g.is_contiguous() else g.contiguous() for g in grads]
-        self.plan.pack(grads, buf, scale=scale, found_inf=found_inf, check=not self._checked)
+        self.plan.pack(grads, self.body(buf), scale=scale, found_inf=found_inf,
+                       check=not self._checked)
         self._checked = True  # same tensors every iteration: validate them once
         return buf
 
@@ -177,10 +186,10 @@ class BucketMemory:
             self.lent, self.active = buf, None
             # the plan caches views of the buffers it packs into: drop them, so the storage
             # use count tells whether anything but the reducer still holds the buffer
-            self.plan.forget(buf)
+            self.plan.forget(self.body(buf))
             return
-        if self.always_view and buf is not None and result.numel() == buf.numel():
-            buf.copy_(result)  # a hook returned another tensor: the bucket backs .grad
+        if self.always_view and buf is not None and result.numel() == self.bucket.numel:
+            self.body(buf).copy_(result)  # a hook returned another tensor: the bucket backs .grad
             self.finish(buf, targets)
             return
         grads, strided = [], []
@@ -193,7 +202,8 @@ class BucketMemory:
                 strided.append((g, k))  # e.g. channels_last: unpacked through a copy
                 g = None
             grads.append(g)
-        self.plan.unpack(result, grads, check=not self._checked_unpack)
+        self.plan.unpack(self.body(result) if result.numel() != self.bucket.numel else result,
+                         grads, check=not self._checked_unpack)
         self._checked_unpack = True
         for g, k in strided:
             off, n = self.bucket.offsets[k], self.bucket.sizes[k]

@@ -95,7 +95,7 @@ class _Pass:
 
     __slots__ = ("sync", "ready", "fired", "pending", "state", "next_bucket", "handles",
                  "t_start", "callback_queued", "any_ready", "t_launch", "bytes", "errors",
-                 "scale", "prefix", "chunk_next")
+                 "scale", "prefix", "chunk_next", "shadow", "status_errors")
 
     def __init__(self, sync: bool, n_params: int, pending: list[int]):
         self.sync = sync                       # False: no_sync, gradients stay local
@@ -114,6 +114,8 @@ class _Pass:
         self.scale = 1.0                       # pre-division fused into the pack (1/world)
         self.prefix = [0] * len(pending)       # per bucket: leading parameters all ready
         self.chunk_next = [0] * len(pending)   # per bucket: next chunk to send (chunked)
+        self.shadow = False                    # a Join shadow pass: zeros, no problems
+        self.status_errors = 0                 # errors already reported in the status
 
 
 class Reducer(Joinable):
@@ -519,7 +521,10 @@ class Reducer(Joinable):
     def _send_chunk(self, p: _Pass, b: int, buf: torch.Tensor, c: int) -> None:
         chunks = self._chunks[b]
         lo = chunks[c - 1][1] if c else 0
-        seg = buf.narrow(0, lo, chunks[c][1] - lo)
+        hi = chunks[c][1]
+        if self._piggyback and b == len(self._chunks) - 1 and c == len(chunks) - 1:
+            hi += self._write_status(p, buf)  # the status travels with the last chunk
+        seg = buf.narrow(0, lo, hi - lo)
         p.bytes += seg.numel() * seg.element_size()
         self._guard.fingerprint("bucket", self._passes, b, seg.numel(), seg.dtype)
         if p.handles[b] is None:
@@ -547,6 +552,12 @@ class Reducer(Joinable):
         for b, bucket in enumerate(self._layout.buckets):
             for k, i in enumerate(bucket.indices):
                 self._slot[i] = (b, k)
+        # the end-of-backward status rides at the end of the last bucket's allreduce when the
+        # reducer sends that allreduce itself (one collective fewer per iteration)
+        buckets = self._layout.buckets
+        self._piggyback = (self.world_size > 1 and self._traits.chunkable and bool(buckets)
+                           and not buckets[-1].sparse)
+        for b, bucket in enumerate(buckets):
             params = [self._params[i] for i in bucket.indices]
             self._bucket_params.append(params)
             self._bucket_index.append(list(bucket.indices))
@@ -554,9 +565,11 @@ class Reducer(Joinable):
                 self._mem.append(None)
                 continue
             plan = kernels.BucketPlan(bucket.sizes, bucket.offsets, bucket.numel, bucket.device)
+            last = self._piggyback and b == len(buckets) - 1
             mem = BucketMemory(bucket, params, self._wire_dtype(bucket.dtype), plan,
                                always_view=self.config.gradient_as_bucket_view,
-                               eager=self._eager_pack())
+                               eager=self._eager_pack(),
+                               tail=self._status_len() if last else 0)
             self._chunks[b] = self._chunk_bounds(bucket, mem)
             if self.config.gradient_as_bucket_view and any(q.grad is not None for q in params):
                 # (rebuild) carry the accumulated gradients over and view the new bucket
@@ -625,16 +638,13 @@ class Reducer(Joinable):
     def _send(self, p: _Pass, b: int, buf: torch.Tensor, params: list, bucket) -> None:
         """Hand a packed bucket to the default allreduce (whole or its remaining chunks) or
         to the comm hook."""
-        if len(self._chunks[b]) > 1:
+        if self._traits.chunkable:  # an averaging allreduce the reducer sends itself
             while p.chunk_next[b] < len(self._chunks[b]):
                 self._send_chunk(p, b, buf, p.chunk_next[b])
                 p.chunk_next[b] += 1
             return
         p.bytes += buf.numel() * buf.element_size()
         self._guard.fingerprint("bucket", self._passes, b, buf.numel(), buf.dtype)
-        if self._hook is None:
-            p.handles[b] = dist.all_reduce(buf, group=self._guard.group, async_op=True)
-            return
         gb = GradBucket(b, buf, params, bucket.offsets, is_last=b == len(p.state) - 1,
                         prescaled=self._traits.prescale, process_group=self._guard.group)
         if self._traits.serialize:
@@ -697,17 +707,24 @@ class Reducer(Joinable):
             self._launch(p, b)
         p.next_bucket = len(p.state)
 
-        status = self._status_tensor(len(missing) + len(p.errors), used)
-        status_work = None
-        if not self._traits.serialize:
-            status_work = self._launch_status(status)
-        results = self._wait_buckets(p)
-        if self._traits.serialize:  # hook callbacks may still have been issuing collectives
-            status_work = self._launch_status(status)
         t_status = time.perf_counter()
-        if status_work is not None:
-            self._guard.wait(status_work, "the end-of-backward status allreduce",
-                             self._passes)
+        if self._piggyback:
+            results = self._wait_buckets(p)
+            status = self._read_status()
+            if len(p.errors) > p.status_errors:  # misuse seen after the status was sent:
+                self._raise_missing([], [0.0] * self.world_size, p.errors)  # this rank only
+        else:
+            status = self._status_tensor(len(missing) + len(p.errors), used)
+            status_work = None
+            if not self._traits.serialize:
+                status_work = self._launch_status(status)
+            results = self._wait_buckets(p)
+            if self._traits.serialize:  # hook callbacks may still be issuing collectives
+                status_work = self._launch_status(status)
+            t_status = time.perf_counter()
+            if status_work is not None:
+                self._guard.wait(status_work, "the end-of-backward status allreduce",
+                                 self._passes)
         self.stats.status_check_s = time.perf_counter() - t_status
         counts = status[: self.world_size].tolist()
         if sum(counts) > 0:
@@ -733,6 +750,38 @@ class Reducer(Joinable):
             self._log_buckets(st.bucket_comm_s)
         if self._should_rebuild():
             self._rebuild(self._ready_order)
+
+    def _status_len(self) -> int:
+        cfg = self.config
+        used = cfg.find_unused_parameters or cfg.static_graph
+        return self.world_size + 1 + (len(self._params) if used else 0)
+
+    def _local_used(self, p: _Pass) -> list | None:
+        """This rank's used map when the global one is needed this iteration, else None."""
+        cfg = self.config
+        if not (cfg.find_unused_parameters or (cfg.static_graph and self._static_used is None)):
+            return None
+        if p.shadow:
+            return [0.0] * len(self._params)
+        # locally used: the hook fired with a gradient (DDP's local_used_map)
+        return [1.0 if (f > 0 and self._params[i].grad is not None) else 0.0
+                for i, f in enumerate(p.fired)]
+
+    def _write_status(self, p: _Pass, buf: torch.Tensor) -> int:
+        """Write the status into the tail of the last bucket's buffer; return its length."""
+        problems = 0 if p.shadow else (len(self._params) - sum(p.ready)) + len(p.errors)
+        p.status_errors = len(p.errors)
+        status = self._status_tensor(problems, self._local_used(p))
+        n = self._status_len()
+        tail = buf.narrow(0, buf.numel() - n, n)
+        tail.zero_()
+        tail[: status.numel()].copy_(status)
+        return n
+
+    def _read_status(self) -> torch.Tensor:
+        mem = self._mem[-1]
+        n = self._status_len()
+        return mem.active.narrow(0, mem.active.numel() - n, n).float().cpu()
 
     def _status_tensor(self, problems: int, used: list | None) -> torch.Tensor:
         """``[problems per rank..., overflow flag, used map...]``: one allreduce tells all."""
@@ -765,10 +814,10 @@ class Reducer(Joinable):
                     raise RuntimeError(f"tribucket (rank {self.rank}): comm hook "
                                        f"{hook_name(self._hook)} failed on {what}: {e}") from e
                 results.append(check_result(self._hook, b, bucket, value))
-            elif isinstance(h, list):  # a chunked bucket
+            elif isinstance(h, list):  # sent by the reducer (whole or in chunks)
                 for work in h:
                     self._guard.wait(work, f"the allreduce of {what}", it)
-                results.append(self._mem[b].active)
+                results.append(self._mem[b].body(self._mem[b].active))
             elif isinstance(h, SparseWork):
                 self._guard.wait(h.work, f"the allreduce of {what}", it)
                 results.append(h.work.result()[0])
@@ -879,6 +928,7 @@ class Reducer(Joinable):
         if not self._allocated:
             self._allocate()
         p = _Pass(True, len(self._params), [len(b.indices) for b in self._layout.buckets])
+        p.shadow = True
         for b, bucket in enumerate(self._layout.buckets):
             p.state[b] = _BucketState.LAUNCHED
             if bucket.sparse:
@@ -886,22 +936,22 @@ class Reducer(Joinable):
                 self._launch_sparse(p, b, param)
                 continue
             mem = self._mem[b]
-            buf = mem.active if mem.active is not None else mem._new_buffer()
-            mem.active = buf
+            mem.active = buf = mem.active if mem.active is not None else mem._new_buffer()
             buf.zero_()
             self._send(p, b, buf, self._bucket_params[b], bucket)
         cfg = self.config
-        used = [0.0] * len(self._params) \
-            if cfg.find_unused_parameters or (cfg.static_graph and self._static_used is None) \
-            else None
-        status = self._status_tensor(0, used)
-        work = None if self._traits.serialize else self._launch_status(status)
-        self._wait_buckets(p)  # results are zeros plus the others' gradients: discarded
-        if self._traits.serialize:
-            work = self._launch_status(status)
-        if work is not None:
-            self._guard.wait(work, "the end-of-backward status allreduce",
-                             self._passes)
+        used = self._local_used(p)
+        if self._piggyback:
+            self._wait_buckets(p)  # zeros plus the others' gradients: discarded
+            status = self._read_status()
+        else:
+            status = self._status_tensor(0, used)
+            work = None if self._traits.serialize else self._launch_status(status)
+            self._wait_buckets(p)
+            if self._traits.serialize:
+                work = self._launch_status(status)
+            if work is not None:
+                self._guard.wait(work, "the end-of-backward status allreduce", self._passes)
         if used is not None and cfg.static_graph:
             self._static_used = (status[self.world_size + 1:] > 0).tolist()
         if cfg.static_graph and self._static_counts is None:
