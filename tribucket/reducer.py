@@ -522,10 +522,11 @@ class Reducer(Joinable):
         chunks = self._chunks[b]
         lo = chunks[c - 1][1] if c else 0
         hi = chunks[c][1]
+        n_status = 0
         if self._piggyback and b == len(self._chunks) - 1 and c == len(chunks) - 1:
-            hi += self._write_status(p, buf)  # the status travels with the last chunk
-        seg = buf.narrow(0, lo, hi - lo)
-        p.bytes += seg.numel() * seg.element_size()
+            n_status = self._write_status(p, buf)  # the status travels with the last chunk
+        seg = buf.narrow(0, lo, hi + n_status - lo)
+        p.bytes += (hi - lo) * seg.element_size()  # gradient bytes; the status is not counted
         self._guard.fingerprint("bucket", self._passes, b, seg.numel(), seg.dtype)
         if p.handles[b] is None:
             p.handles[b] = []
