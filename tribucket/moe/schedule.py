@@ -93,7 +93,7 @@ class _Plan:
     an expert reads one contiguous chunk ``(l, start, rows)``.
     """
 
-    def __init__(self, meta: DispatchMeta, rank: int, world: int, num_local: int,
+    def __init__(self, meta: DispatchMeta, rank: int, num_local: int,
                  steps: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], shadowed: frozenset[int]):
         L = num_local
         self.rank, self.L, self.steps = rank, L, list(steps)
@@ -132,8 +132,7 @@ class _Plan:
 class _Overlap:
     """Where S/R run: gloo's async works on CPU; a side stream with events on CUDA."""
 
-    def __init__(self, device: torch.device, group):
-        self.group = group
+    def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         if self.cuda:  # pragma: no cover - no GPU in this project's CI
             self.main = torch.cuda.current_stream(device)
@@ -144,7 +143,7 @@ class _Overlap:
             return []
         if not self.cuda:
             return dist.batch_isend_irecv(ops)
-        # pragma: no cover - CUDA: the side stream starts once the rows to send are ready
+        # CUDA: the side stream starts once the compute stream has produced the rows to send
         ready = torch.cuda.Event()
         ready.record(self.main)
         self.side.wait_event(ready)
@@ -165,10 +164,15 @@ class _Overlap:
 # the engine: one forward and its backward
 # ---------------------------------------------------------------------------------------
 class _Pipeline:
-    """Runs the S/C/R pipeline of one forward, keeps what its backward needs, runs that."""
+    """Runs the S/C/R pipeline of one forward, keeps what its backward needs, runs that.
 
-    # message tags: kind (inputs S / outputs R) x local expert, distinct between a pair of
-    # ranks while they are in flight together
+    Message tags: ``l`` for S (rows for local expert ``l``), ``L + l`` for R, so messages
+    between two ranks that are in flight together never match the wrong receive (gloo
+    matches by source and tag). Both sides post in the same order, which NCCL (no tags)
+    needs: a pair exchanges its S messages in step ``s`` and its R messages in step ``t``
+    with ``s + t = 0 (mod n)``, and each side posts them at the same points of its loop.
+    """
+
     def __init__(self, experts: Sequence[nn.Module], plan: _Plan, group, world: int,
                  check_output: bool, expert_numel: int):
         self.experts = list(experts)
@@ -252,7 +256,7 @@ class _Pipeline:
         p, me = self.plan, self.plan.rank
         D = send_ND.shape[1]
         self.need_x = need_x
-        ov = _Overlap(send_ND.device, self.group)
+        ov = _Overlap(send_ND.device)
         buf_BD = send_ND.new_empty(p.recv_rows, D)
         back_ND = send_ND.new_empty(send_ND.shape)
         self.failure: tuple[str, BaseException | None] | None = None
@@ -381,7 +385,7 @@ class _Pipeline:
         D = grad_back_ND.shape[1]
         need_x = self.need_x
         grad_back_ND = grad_back_ND.contiguous()
-        ov = _Overlap(grad_back_ND.device, self.group)
+        ov = _Overlap(grad_back_ND.device)
         gbuf_BD = grad_back_ND.new_empty(p.recv_rows, D)
         grad_send_ND = grad_back_ND.new_empty(grad_back_ND.shape) if need_x else None
         self.grads: list[list[torch.Tensor | None]] = [[None] * len(ps) for ps in self.params]
@@ -494,7 +498,7 @@ def pipelined_experts(send_ND: torch.Tensor, meta: DispatchMeta, experts: Sequen
     Differentiable (input rows and the experts' parameters); a collective on ``group``.
     """
     steps = pairwise_steps(rank, world_size, group_size)
-    plan = _Plan(meta, rank, world_size, len(experts), steps, shadowed)
+    plan = _Plan(meta, rank, len(experts), steps, shadowed)
     engine = _Pipeline(experts, plan, group, world_size, check_output, expert_numel)
     params = [q for ps in engine.params for q in ps]
     if torch.is_grad_enabled() and (send_ND.requires_grad or any(q.requires_grad for q in params)):
