@@ -120,17 +120,9 @@ def test_verdict_tells_near_ties_from_bugs(hook, agree, routing_from, loss_diff,
     assert demo._verdict(DemoConfig(hook=hook), result) == verdict
 
 
-def _run_pairwise() -> dict | str:
-    try:
-        return _run({"steps": 6, "schedule": "pairwise"})
-    except NotImplementedError as e:  # raised alike on every rank, before any collective
-        return f"NotImplementedError: {e}"
-
-
 def test_demo_pairwise_schedule_matches_ddp(dist_run):
-    res = dist_run(_run_pairwise, world_size=2)[0]
-    if isinstance(res, str):
-        pytest.skip(f"MoELayer(schedule='pairwise') is not on this branch yet: {res}")
+    res = dist_run(_run, {"steps": 6, "schedule": "pairwise"}, world_size=2)[0]
+    assert res["config"]["schedule"] == "pairwise"
     assert res["param_diff"]["max_abs_diff"] <= PARAM_TOLERANCE, res["param_diff"]
 
 

@@ -417,8 +417,6 @@ def test_bad_arguments_single_process():
     experts = [nn.Linear(D, D) for _ in range(4)]
     with pytest.raises(ValueError, match=r"top_k=5 must be an int in 1..num_experts \(4\)"):
         MoELayer(experts, 4, D, top_k=5)
-    with pytest.raises(NotImplementedError, match="smart-schedule"):
-        MoELayer(experts, 4, D, schedule="pairwise")
     with pytest.raises(ValueError, match="schedule='ring'"):
         MoELayer(experts, 4, D, schedule="ring")
     with pytest.raises(ValueError, match="capacity_factor"):

@@ -94,7 +94,7 @@ class DemoConfig:
     lr: float = 3e-3
     #: comm hook on tribucket's reducer; the DDP baseline always uses its default allreduce
     hook: str = "none"
-    #: MoE token exchange: "alltoall", or FasterMoE's "pairwise" (from the FasterMoE issue)
+    #: MoE token exchange: "alltoall", or FasterMoE's pipelined "pairwise" schedule
     schedule: str = "alltoall"
     #: seed of the weights and of every rank's batches (the same in both runs)
     seed: int = 0

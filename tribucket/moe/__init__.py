@@ -1,6 +1,10 @@
-"""Expert-parallel Mixture-of-Experts: routing, dispatch and combine."""
+"""Expert-parallel Mixture-of-Experts: routing, dispatch and combine, FasterMoE's schedule."""
 
 from .dispatcher import DispatchMeta, MoEDispatcher, expert_capacity
 from .layer import MoELayer, MoEStats
+from .schedule import exchange_groups, pairwise_steps
+from .shadow import FixedShadowPolicy, GreedyShadowPolicy, ShadowCosts
 
-__all__: list[str] = ["DispatchMeta", "MoEDispatcher", "MoELayer", "MoEStats", "expert_capacity"]
+__all__: list[str] = ["DispatchMeta", "FixedShadowPolicy", "GreedyShadowPolicy", "MoEDispatcher",
+                      "MoELayer", "MoEStats", "ShadowCosts", "exchange_groups", "expert_capacity",
+                      "pairwise_steps"]

@@ -87,6 +87,13 @@ class DispatchMeta:
     regroup_dest_R1: torch.Tensor | None
     #: token-slots this rank dropped (capacity mode)
     num_dropped: int
+    #: ``send_counts_WL`` as host integers (``[w][l]``), for schedules that loop over peers
+    send_counts_host: tuple[tuple[int, ...], ...] = ()
+    #: ``recv_counts_WL`` as host integers (``[w][l]``)
+    recv_counts_host: tuple[tuple[int, ...], ...] = ()
+    #: ``[w][e]``: rows rank ``w`` sends to global expert ``e`` (after drops), every rank's
+    #: routing; only when ``plan(..., gather_counts=True)`` (None otherwise)
+    global_counts_host: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def num_send(self) -> int:
@@ -193,19 +200,26 @@ class MoEDispatcher:
 
     # -- the steps (a pipelined schedule reuses plan/permute/unpermute) -----------------
     def plan(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor,
-             weights_TK: torch.Tensor) -> DispatchMeta:
+             weights_TK: torch.Tensor, *, gather_counts: bool = False) -> DispatchMeta:
         """Validate, route locally and exchange the counts (the one host sync).
 
         A rank whose input is bad still joins the counts exchange, with a flag in an extra
         column, then raises its ValueError/TypeError; the others raise a RuntimeError naming
         it. No token moves, and no rank is left waiting.
+
+        ``gather_counts=True`` (every rank alike) also gives every rank the whole routing,
+        ``meta.global_counts_host`` (what a shadow policy decides from): each rank appends its
+        ``E`` sent counts to every row of the counts all-to-all, so it costs no extra
+        collective, just ``W·E`` more integers on the wire.
         """
-        W, L = self.world_size, self.num_local_experts
+        W, L, E = self.world_size, self.num_local_experts, self.num_experts
+        # columns of the counts exchange: L counts, the bad-input flag, then (gather) E counts
+        cols = L + 1 + (E if gather_counts else 0)
         try:
             expert_ids_TK = self._check_inputs(x_TD, expert_ids_TK, weights_TK)
         except (ValueError, TypeError) as error:
             device = x_TD.device if isinstance(x_TD, torch.Tensor) else torch.device("cpu")
-            flagged = torch.zeros(W, L + 1, dtype=torch.int64, device=device)
+            flagged = torch.zeros(W, cols, dtype=torch.int64, device=device)
             flagged[:, L] = 1
             exchange_counts(flagged, self.group)
             raise error
@@ -215,12 +229,15 @@ class MoEDispatcher:
         dest_TK, sent_E = _route(expert_ids_TK, counts_E, capacity)
         send_counts_WL = sent_E.view(W, L)
         # column L carries each rank's bad-input flag (0 here: this rank's input is fine)
-        recv_WL1 = exchange_counts(torch.cat([send_counts_WL, send_counts_WL.new_zeros(W, 1)], 1),
-                                   self.group)
-        recv_counts_WL = recv_WL1[:, :L].contiguous()
-        host = torch.cat([send_counts_WL.reshape(-1), recv_WL1.reshape(-1), counts_E]).tolist()
+        parts = [send_counts_WL, send_counts_WL.new_zeros(W, 1)]
+        if gather_counts:
+            parts.append(sent_E.view(1, E).expand(W, E))
+        recv_WC = exchange_counts(torch.cat(parts, 1), self.group)
+        recv_counts_WL = recv_WC[:, :L].contiguous()
+        host = torch.cat([send_counts_WL.reshape(-1), recv_WC.reshape(-1), counts_E]).tolist()
         send_WL = [host[w * L:(w + 1) * L] for w in range(W)]
-        recv_WL1_host = [host[W * L + w * (L + 1):W * L + (w + 1) * (L + 1)] for w in range(W)]
+        recv_WC_host = [host[W * L + w * cols:W * L + (w + 1) * cols] for w in range(W)]
+        recv_WL1_host = [row[:L + 1] for row in recv_WC_host]
         bad = [w for w in range(W) if recv_WL1_host[w][L]]
         if bad:
             raise RuntimeError(f"rank(s) {bad} of the expert-parallel group passed bad input to "
@@ -237,7 +254,10 @@ class MoEDispatcher:
             send_counts_WL=send_counts_WL, recv_counts_WL=recv_counts_WL,
             send_splits=tuple(sum(r) for r in send_WL), recv_splits=tuple(sum(r) for r in recv_WL),
             tokens_per_expert=tokens_per_expert, regroup_dest_R1=regroup,
-            num_dropped=sum(host[W * L + W * (L + 1):]) - sum(host[:W * L]))
+            num_dropped=sum(host[W * L + W * cols:]) - sum(host[:W * L]),
+            send_counts_host=tuple(map(tuple, send_WL)), recv_counts_host=tuple(map(tuple, recv_WL)),
+            global_counts_host=(tuple(tuple(row[L + 1:]) for row in recv_WC_host)
+                                if gather_counts else None))
 
     def permute(self, x_TD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """``send_ND``: each token's row once per kept choice, in global-expert order."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, is_dataclass
 from typing import Sequence
 
 import torch
@@ -21,10 +22,12 @@ from torch import nn
 from .._tags import mark_expert_parallel
 from ..comm import group_rank_and_size
 from .dispatcher import DispatchMeta, MoEDispatcher
+from .schedule import pipelined_experts
+from .shadow import ShadowCosts, resolve_shadow_policy
 
 __all__ = ["MoELayer", "MoEStats", "SCHEDULES"]
 
-#: the token-exchange schedules MoELayer knows ("pairwise" arrives with FasterMoE)
+#: the token-exchange schedules MoELayer knows: two all-to-alls, or FasterMoE's pipeline
 SCHEDULES = ("alltoall", "pairwise")
 
 
@@ -40,6 +43,8 @@ class MoEStats:
     dropped: int
     #: rows per expert accepted from one rank (None: dropless)
     capacity: int | None
+    #: global ids of the experts shadowed in this forward (computed on every rank)
+    shadowed: tuple[int, ...] = ()
 
 
 class MoELayer(nn.Module):
@@ -88,7 +93,36 @@ class MoELayer(nn.Module):
     token kernels (``"auto"``: Triton on CUDA, PyTorch on CPU). Every rank of ``group`` must
     call forward and backward in the same order; an expert that raises or returns a wrong
     shape makes every rank raise (see :class:`MoEDispatcher`). Experts are called on every
-    forward, with zero rows when no token reached them.
+    forward, with zero rows when no token reached them (``schedule="alltoall"``; the pairwise
+    schedule skips empty calls).
+
+    **Schedules.** ``schedule="alltoall"`` moves tokens with two uneven all-to-alls around
+    one call per local expert. ``schedule="pairwise"`` is FasterMoE's smart schedule
+    (:mod:`tribucket.moe.schedule`): ranks are cut into groups of ``group_size`` consecutive
+    ranks (capped at the world size; when it does not divide the world size the last group
+    is smaller), and step ``s`` exchanges with groups ``(g + s) % n`` / ``(g - s) % n`` by
+    ``dist.batch_isend_irecv``, pipelined so that the sends of step ``s + 1`` and the returns
+    of step ``s - 1`` are in flight while the experts compute step ``s`` — in forward and in
+    backward. Results equal the all-to-all schedule's (up to fp summation order). Experts are
+    then called once per step on the rows of that step, so they must be row-wise (no
+    batch statistics). Expert gradients are computed inside the pipeline and handed to
+    autograd as ordinary gradients (``expert_grad_scale`` hooks fire once); double backward
+    through the pipeline is not supported.
+
+    **Shadow experts** (``shadow_policy``): per forward a policy picks experts whose owner
+    broadcasts their parameters; every rank computes its own tokens for them locally, and in
+    backward the copies' gradients are reduced to the owner and added to its gradients
+    (scaled by ``expert_grad_scale`` like the rest). ``"greedy"`` (or a
+    :class:`~tribucket.moe.GreedyShadowPolicy` with your bandwidth and FLOP rate) is
+    FasterMoE's rule on the all-gathered expert loads; a set of expert ids shadows those
+    always. Shadowing needs experts with identical parameter names/shapes and one dtype on
+    every rank (checked when the layer is built). With ``schedule="alltoall"`` a forward that
+    shadows runs the pipeline engine as one step (every peer at once) instead of the
+    all-to-alls. ``stats.shadowed`` names the experts shadowed last.
+
+    Every rank must build the layer with the same arguments (checked: one small all-gather
+    when the layer is built) and agree on ``x.requires_grad`` and on which expert parameters
+    require grad.
 
     Example::
 
@@ -111,6 +145,7 @@ class MoELayer(nn.Module):
         group: dist.ProcessGroup | None = None,
         schedule: str = "alltoall",
         group_size: int = 4,
+        shadow_policy=None,
         expert_grad_scale: float = 1.0,
         aux_loss_coef: float = 0.01,
         z_loss_coef: float = 0.0,
@@ -133,14 +168,25 @@ class MoELayer(nn.Module):
             raise ValueError(f"d_model must be a positive int, got {d_model!r}")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k!r} must be an int in 1..num_experts ({num_experts})")
-        if schedule == "pairwise":
-            raise NotImplementedError(
-                "schedule='pairwise' (FasterMoE's pipelined pairwise exchange) arrives with the "
-                "smart-schedule issue; use schedule='alltoall' for now")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+            raise ValueError(f"group_size must be a positive int (ranks per pairwise exchange "
+                             f"group, capped at the world size), got {group_size!r}")
+        policy = resolve_shadow_policy(shadow_policy, num_experts)
+        signature = _expert_signature(experts[0])
+        if policy is not None:
+            for l, e in enumerate(experts):
+                if _expert_signature(e) != signature:
+                    raise ValueError(
+                        f"shadow_policy needs identical experts: local expert {l} has parameters "
+                        f"{_expert_signature(e)} but local expert 0 has {signature}")
+            if len({str(d) for _, _, d in signature}) > 1:
+                raise ValueError(f"shadow_policy needs expert parameters of one dtype, got "
+                                 f"{sorted({d for _, _, d in signature})}")
+            if not signature:
+                raise ValueError("shadow_policy needs experts with parameters (there is nothing to "
+                                 "broadcast); pass shadow_policy=None")
         for name, v in (("expert_grad_scale", expert_grad_scale), ("aux_loss_coef", aux_loss_coef),
                         ("z_loss_coef", z_loss_coef)):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
@@ -158,6 +204,10 @@ class MoELayer(nn.Module):
         self.normalize_weights = bool(normalize_weights)
         self.schedule = schedule
         self.group_size = group_size
+        #: the shadow policy object (None: no shadowing)
+        self.shadow_policy = policy
+        #: elements of one expert's parameters (the size a shadow broadcast moves)
+        self.expert_numel = sum(q.numel() for q in experts[0].parameters())
         self.expert_grad_scale = float(expert_grad_scale)
         self.aux_loss_coef = float(aux_loss_coef)
         self.z_loss_coef = float(z_loss_coef)
@@ -177,6 +227,7 @@ class MoELayer(nn.Module):
                 p.register_hook(lambda g, s=self.expert_grad_scale: g * s)
         self.register_load_state_dict_pre_hook(_drop_other_ranks_experts)
         _broadcast_from_first_rank(self.router, group)
+        _check_ranks_agree(self, signature, group)
 
         #: load-balancing (+ z) loss of the last forward (None before the first)
         self.aux_loss: torch.Tensor | None = None
@@ -192,7 +243,9 @@ class MoELayer(nn.Module):
         cap = self.dispatcher.capacity_factor
         return (f"num_experts={self.num_experts}, local={self.num_local_experts}, "
                 f"d_model={self.d_model}, top_k={self.top_k}, "
-                f"capacity_factor={'dropless' if cap is None else cap}, schedule={self.schedule}")
+                f"capacity_factor={'dropless' if cap is None else cap}, schedule={self.schedule}"
+                + (f", group_size={self.group_size}" if self.schedule == "pairwise" else "")
+                + (f", shadow_policy={self.shadow_policy!r}" if self.shadow_policy is not None else ""))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 1 or x.shape[-1] != self.d_model:
@@ -208,17 +261,33 @@ class MoELayer(nn.Module):
         elif self.normalize_weights:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
 
-        expert_input_RD, meta = self.dispatcher.dispatch(x_TD, expert_ids_TK, weights_TK)
-        try:
-            outputs = self._run_experts(expert_input_RD, meta)
-        except Exception as error:  # every rank must hear of it before the return exchange
-            self.dispatcher.fail_combine(error, meta)
-        y_TD = self.dispatcher.combine(outputs, meta)
+        disp = self.dispatcher
+        policy = self.shadow_policy
+        meta = disp.plan(x_TD, expert_ids_TK, weights_TK,
+                         gather_counts=policy is not None and policy.needs_counts
+                         and disp.world_size > 1)
+        shadowed = self._decide_shadows(meta, x_TD.dtype)
+        if self.schedule == "alltoall" and not shadowed:
+            expert_input_RD = disp.exchange(disp.permute(x_TD, meta), meta)
+            try:
+                outputs = self._run_experts(expert_input_RD, meta)
+            except Exception as error:  # every rank must hear of it before the return exchange
+                disp.fail_combine(error, meta)
+            y_TD = disp.combine(outputs, meta)
+        else:  # the pipeline (a single step, every peer at once, for "alltoall" + shadows)
+            group_size = self.group_size if self.schedule == "pairwise" else disp.world_size
+            back_ND = pipelined_experts(
+                disp.permute(x_TD, meta), meta, self.local_experts, rank=disp.rank,
+                world_size=disp.world_size, group=disp.group, group_size=group_size,
+                shadowed=shadowed, check_output=disp.check_expert_output,
+                expert_numel=self.expert_numel)
+            y_TD = disp.unpermute(back_ND, meta)
 
         self.aux_loss = self._aux_loss(logits_TE, probs_TE, meta.counts_E)
         self.stats = MoEStats(tokens_per_expert=tuple(meta.counts_E.tolist()),
                               tokens_received=meta.tokens_per_expert,
-                              dropped=meta.num_dropped, capacity=meta.capacity)
+                              dropped=meta.num_dropped, capacity=meta.capacity,
+                              shadowed=tuple(sorted(shadowed)))
         return y_TD.view(*x.shape[:-1], self.d_model)
 
     # -------------------------------------------------------------------------------------
@@ -230,6 +299,23 @@ class MoELayer(nn.Module):
             raise ValueError(f"router returned {tuple(logits_TE.shape)} for {x_TD.shape[0]} tokens; "
                              f"it must map [T, {self.d_model}] -> [T, num_experts={self.num_experts}]")
         return logits_TE
+
+    def _decide_shadows(self, meta: DispatchMeta, token_dtype: torch.dtype) -> frozenset[int]:
+        """The policy's choice for this forward (the same on every rank: same integers)."""
+        policy = self.shadow_policy
+        if policy is None or self.dispatcher.world_size == 1:
+            return frozenset()
+        ref = next(self.local_experts[0].parameters())
+        costs = ShadowCosts(num_local_experts=self.num_local_experts, d_model=self.d_model,
+                            expert_numel=self.expert_numel,
+                            token_bytes=torch.empty((), dtype=token_dtype).element_size(),
+                            param_bytes=ref.element_size())
+        chosen = frozenset(int(e) for e in policy.decide(meta.global_counts_host, costs))
+        bad = sorted(e for e in chosen if not 0 <= e < self.num_experts)
+        if bad:
+            raise RuntimeError(f"shadow policy {policy!r} chose expert(s) {bad}, outside "
+                               f"0..{self.num_experts - 1}")
+        return chosen
 
     def _run_experts(self, expert_input_RD: torch.Tensor, meta: DispatchMeta) -> list[torch.Tensor]:
         """Each local expert on its contiguous rows (zero rows included)."""
@@ -259,6 +345,46 @@ def _broadcast_from_first_rank(module: nn.Module, group: dist.ProcessGroup | Non
     with torch.no_grad():
         for t in itertools.chain(module.parameters(), module.buffers()):
             dist.broadcast(t.data, src=src, group=group)
+
+
+def _expert_signature(expert: nn.Module) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    return tuple((n, tuple(q.shape), str(q.dtype)) for n, q in expert.named_parameters())
+
+
+def _crc(obj) -> int:
+    return zlib.crc32(repr(obj).encode())
+
+
+def _check_ranks_agree(layer: MoELayer, signature, group: dist.ProcessGroup | None) -> None:
+    """One all-gather: every rank built the layer alike (and, to shadow, with alike experts).
+
+    A rank with another schedule, group size, shadow policy, top_k or capacity would issue
+    different collectives in forward and hang the group; this catches it when the layer is
+    built, naming the ranks.
+    """
+    _, world = group_rank_and_size(group)
+    if world == 1:
+        return
+    policy = layer.shadow_policy
+    policy_key = repr(policy) if policy is None or is_dataclass(policy) else type(policy).__qualname__
+    config = (layer.schedule, layer.group_size, policy_key, layer.num_experts, layer.top_k,
+              layer.d_model, layer.dispatcher.capacity_factor, layer.normalize_weights)
+    device = next(itertools.chain(layer.router.parameters(), layer.experts.parameters())).device
+    mine = torch.tensor([_crc(config), _crc(signature) if policy is not None else 0],
+                        dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    rows = [tuple(t.tolist()) for t in every]
+    for column, what in ((0, "schedule, group_size, shadow_policy, num_experts, top_k, d_model, "
+                             "capacity_factor or normalize_weights"),
+                         (1, "expert parameters (names, shapes, dtypes), needed to shadow")):
+        values = [r[column] for r in rows]
+        if len(set(values)) > 1:
+            ref = values[0]
+            bad = [r for r, v in enumerate(values) if v != ref]
+            raise ValueError(f"the ranks of the expert-parallel group built MoELayer with different "
+                             f"{what}: rank(s) {bad} differ from rank 0; pass the same arguments "
+                             f"on every rank")
 
 
 def _drop_other_ranks_experts(module: MoELayer, state_dict, prefix, *_unused) -> None:
