@@ -72,6 +72,25 @@ class BucketMemory:
             return None
         return torch.tensor(gaps, dtype=torch.long, device=bucket.device)
 
+    def chunk_bounds(self, chunk_mb: float | None, chunkable: bool) -> list[tuple[int, int]]:
+        """Where this bucket's allreduce is cut into chunks of about ``chunk_mb`` MiB (at
+        parameter boundaries): ``(parameters before the cut, element end)`` per chunk.
+        ``None``: 2 MiB when gradients are packed as they arrive, else one piece."""
+        bucket = self.bucket
+        mb = chunk_mb
+        if mb is None:
+            mb = 2 if self.eager else 0  # chunks are sendable early only if packed eagerly
+        if not mb or not self.eager or not chunkable:
+            return [(len(bucket.indices), bucket.numel)]
+        limit = int(mb * 2**20) // torch.empty((), dtype=self.dtype).element_size()
+        cuts, start = [], 0
+        for k, (off, size) in enumerate(zip(bucket.offsets, bucket.sizes)):
+            if off + size - start >= limit and k < len(bucket.indices) - 1:
+                cuts.append((k + 1, off + size))
+                start = off + size
+        cuts.append((len(bucket.indices), bucket.numel))
+        return cuts
+
     def capacity_bytes(self) -> int:
         """Bytes of the bucket's buffer in its wire dtype."""
         return (self.bucket.numel + self.tail) * torch.empty((), dtype=self.dtype).element_size()

@@ -11,29 +11,39 @@ Buckets are launched strictly in bucket order on every rank, so every rank issue
 collectives in the same order. The end of backward is an autograd-engine callback, queued
 from a pre-hook on the forward output's ``grad_fn`` (so it belongs to the outermost backward
 even under reentrant checkpointing) or, failing that, from the first gradient hook. There a
-tiny status allreduce tells every rank whether any rank missed gradients (and, for fp16
-hooks, overflowed), so an error is raised on every rank instead of leaving one waiting.
+tiny status allreduce (the tail of the last bucket's allreduce when the reducer sends that
+itself) tells every rank whether any rank missed gradients (and, for fp16 hooks,
+overflowed), so an error is raised on every rank instead of leaving one waiting.
+
+This module holds the backward path; the rest of the class lives next to it, one part per
+concern: ``_rebuild`` (which layout: DDP's initial one, the rebuild), ``_memory`` (a
+bucket's buffers and the ``.grad`` views lent out of them), ``_status`` (the end-of-backward
+status), ``_join`` (uneven inputs), ``_resume`` (``state_dict``), ``_watchdog`` (timeouts,
+failure reports, debug fingerprints) and ``_hookcall`` (calling comm hooks).
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, JoinHook, Joinable
+from torch.distributed.algorithms.join import Join
 
 from . import kernels
 from ._env import describe_backend
 from ._graph import output_tensors, reachable_parameters
 from ._hookcall import HookRef, SparseWork, check_result, hook_name, invoke, invoke_after
+from ._join import JoinSupport
+from ._pass import ReducerStats, _BucketState, _Pass
+from ._rebuild import _DDP_ALIGN_BYTES, LayoutSupport
+from ._resume import ResumeSupport
+from ._status import StatusSupport
 from ._memory import BucketMemory
 from ._model import inspect_model, verify_across_ranks
 from ._watchdog import CommGuard
@@ -41,7 +51,7 @@ from .comm import broadcast_coalesced
 from .config import ReducerConfig
 from .grad_bucket import GradBucket
 from .hooks import _hook_traits
-from .layout import NO_CAP, BucketLayout, compute_layout
+from .layout import BucketLayout
 
 __all__ = ["Reducer", "ReducerStats", "fused_bucketing"]
 
@@ -51,74 +61,9 @@ logger = logging.getLogger("tribucket")
 # the kernels use 128-bit accesses). Generic comm hooks, and the CPU, get DDP's unpadded
 # buffers.
 _ALIGN_BYTES = 16
-_DDP_ALIGN_BYTES = 1
-_STATE_VERSION = 1
 
 
-class _BucketState(enum.IntEnum):
-    PENDING = 0   # waiting for gradients
-    READY = 1     # every gradient is in; waits for earlier buckets to be launched
-    LAUNCHED = 2  # packed and handed to the hook / allreduce; result in flight
-    DONE = 3      # result arrived
-
-
-@dataclass
-class ReducerStats:
-    """Figures of the reducer. ``*_s`` fields describe the last synchronised backward."""
-
-    #: backward passes that averaged gradients
-    iterations: int = 0
-    #: seconds from the start of backward to the autograd engine finishing it
-    backward_compute_s: float = 0.0
-    #: seconds from the end of backward computation until every .grad held the average:
-    #: the communication that did not overlap with computation
-    comm_exposed_s: float = 0.0
-    #: of which: the end-of-backward status check (missing gradients, overflow flag)
-    status_check_s: float = 0.0
-    #: bytes of gradient buffers handed to collectives in the last backward (one rank)
-    bytes_communicated: int = 0
-    #: buckets in the current layout
-    buckets: int = 0
-    #: times the buckets were rebuilt in gradient-ready order (at most once)
-    rebuilds: int = 0
-    #: bytes of the bucket buffers one iteration uses
-    bucket_bytes_allocated: int = 0
-    #: per-bucket seconds from launch to the end of backward, last backward (``debug`` only)
-    bucket_comm_s: list = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-class _Pass:
-    """One backward pass of the model, from its first gradient to the engine callback."""
-
-    __slots__ = ("sync", "ready", "fired", "pending", "state", "next_bucket", "handles",
-                 "t_start", "callback_queued", "any_ready", "t_launch", "bytes", "errors",
-                 "scale", "prefix", "chunk_next", "shadow", "status_errors")
-
-    def __init__(self, sync: bool, n_params: int, pending: list[int]):
-        self.sync = sync                       # False: no_sync, gradients stay local
-        self.ready = bytearray(n_params)       # parameter i's gradient is in its bucket slot
-        self.fired = [0] * n_params            # gradient hooks seen per parameter
-        self.pending = list(pending)           # per bucket: parameters not yet ready
-        self.state = [_BucketState.PENDING] * len(pending)  # per bucket state (module doc)
-        self.next_bucket = 0                   # every bucket before this one is launched
-        self.handles: list[Any] = [None] * len(pending)  # per bucket: Work or Future
-        self.t_start = time.perf_counter()     # backward start (output grad_fn or first hook)
-        self.callback_queued = False           # the end-of-backward callback is queued
-        self.any_ready = False                 # some parameter hook fired in this pass
-        self.t_launch = [0.0] * len(pending)   # per bucket launch time (debug stats)
-        self.bytes = 0                         # bytes handed to collectives
-        self.errors: list[str] = []            # misuse found during backward, raised at the end
-        self.scale = 1.0                       # pre-division fused into the pack (1/world)
-        self.prefix = [0] * len(pending)       # per bucket: leading parameters all ready
-        self.chunk_next = [0] * len(pending)   # per bucket: next chunk to send (chunked)
-        self.shadow = False                    # a Join shadow pass: zeros, no problems
-        self.status_errors = 0                 # errors already reported in the status
-
-
-class Reducer(Joinable):
+class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
     """Average gradients across ranks with DDP's semantics; see :func:`fused_bucketing`.
 
     Usable directly: ``reducer = Reducer(model)`` attaches, ``reducer.close()`` detaches
@@ -198,20 +143,6 @@ class Reducer(Joinable):
             tensors += [b.detach() for _, b in self._buffers]
         broadcast_coalesced(tensors, src=src_rank, group=self._guard.group_arg())
 
-    def _initial_layout(self) -> BucketLayout:
-        cfg = self.config
-        if cfg.find_unused_parameters and not cfg.static_graph:
-            # DDP keeps its size-capped initial buckets when it will never rebuild
-            caps = dict(bucket_cap_bytes=cfg.bucket_cap_bytes,
-                        first_bucket_cap_bytes=min(cfg.first_bucket_cap_bytes,
-                                                   cfg.bucket_cap_bytes))
-        else:
-            # DDP 2.x: one bucket per (dtype, device) until the rebuild, because the
-            # reverse-parameter-order guess is often wrong
-            caps = dict(bucket_cap_bytes=NO_CAP, first_bucket_cap_bytes=NO_CAP)
-        return compute_layout(self._params, expect_sparse=self._expect_sparse,
-                              align_bytes=_DDP_ALIGN_BYTES, **caps)
-
     def _attach(self) -> None:
         for i, p in enumerate(self._params):  # tied parameters appear once in the list
             self._handles.append(
@@ -273,54 +204,6 @@ class Reducer(Joinable):
                 state, dist.ProcessGroup) else state
             self._chunk_group = named if named is not None else self._guard.group
 
-    def state_dict(self) -> dict:
-        """What a resumed run needs: the (rebuilt) layout, the iteration count, hook state."""
-        return {
-            "version": _STATE_VERSION,
-            "parameter_names": list(self._names),
-            "layout": self._layout.to_tensor(),
-            "rebuilt": self._rebuilt,
-            "iterations": self.stats.iterations,
-            "passes": self._passes,
-            "static_counts": self._static_counts,
-            "static_used": self._static_used,
-            "hook": hook_name(self._hook),
-            "hook_state": _hook_state_dict(self._hook_state),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` into a reducer over the same model (before training).
-
-        Register the same comm hook (with a fresh state object) before loading, so its
-        state — the gossip schedule, PowerSGD's error feedback and random state — is
-        restored too.
-        """
-        if self._pass is not None:
-            raise RuntimeError("load_state_dict cannot run during a backward pass")
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"reducer state version {state.get('version')!r} is not supported "
-                             f"(expected {_STATE_VERSION})")
-        if state["parameter_names"] != self._names:
-            theirs, mine = state["parameter_names"], self._names
-            diff = next((k for k in range(min(len(theirs), len(mine))) if theirs[k] != mine[k]),
-                        min(len(theirs), len(mine)))
-            raise ValueError(f"the saved reducer state is for other parameters: {len(theirs)} "
-                             f"saved, {len(mine)} here, first difference at position {diff}")
-        if state["hook"] != hook_name(self._hook):
-            raise ValueError(f"the saved state was taken with comm hook {state['hook']}; "
-                             f"register it (currently {hook_name(self._hook)}) before loading")
-        self._layout = BucketLayout.from_tensor(state["layout"], self._params)
-        self._rebuilt = bool(state["rebuilt"])
-        self._static_counts = state["static_counts"]
-        self._static_used = state["static_used"]
-        self._ready_order = []
-        self.stats.iterations = int(state["iterations"])
-        self._passes = int(state.get("passes", state["iterations"]))
-        self.stats.rebuilds = int(self._rebuilt)
-        self.stats.buckets = len(self._layout.buckets)
-        self._allocated = False  # buffers follow the restored layout at the next backward
-        _load_hook_state(self._hook_state, state.get("hook_state"))
-
     def close(self) -> None:
         """Detach from the model: remove every hook, finish pending communication."""
         if self._closed:
@@ -344,23 +227,6 @@ class Reducer(Joinable):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # ------------------------------------------------------------------ Joinable
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """Shadow this reducer's collectives on ranks that ran out of inputs (``Join``).
-
-        ``divide_by_initial_world_size`` (default ``True``, as DDP): divide gradients by the
-        initial world size; ``False`` divides by the number of ranks still training.
-        """
-        return _ReducerJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self) -> torch.device:
-        return self._device
-
-    @property
-    def join_process_group(self) -> Any:
-        return self.process_group
 
     # ------------------------------------------------------------------ forward hooks
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -571,7 +437,8 @@ class Reducer(Joinable):
                                always_view=self.config.gradient_as_bucket_view,
                                eager=self._eager_pack(),
                                tail=self._status_len() if last else 0)
-            self._chunks[b] = self._chunk_bounds(bucket, mem)
+            self._chunks[b] = mem.chunk_bounds(self.config.comm_chunk_mb,
+                                               self._traits.chunkable)
             if self.config.gradient_as_bucket_view and any(q.grad is not None for q in params):
                 # (rebuild) carry the accumulated gradients over and view the new bucket
                 buf = mem.pack([q.grad for q in params], 1.0, None)
@@ -583,22 +450,6 @@ class Reducer(Joinable):
         # the user keeps across iterations holds on to an older buffer on top of this
         self.stats.bucket_bytes_allocated = sum(m.capacity_bytes() for m in self._mem
                                                 if m is not None)
-
-    def _chunk_bounds(self, bucket, mem: BucketMemory) -> list[tuple[int, int]]:
-        """Where bucket ``bucket``'s allreduce is cut into chunks (at parameter boundaries)."""
-        mb = self.config.comm_chunk_mb
-        if mb is None:
-            mb = 2 if mem.eager else 0  # chunks are sendable early only if packed eagerly
-        if not mb or not mem.eager or not self._traits.chunkable:
-            return [(len(bucket.indices), bucket.numel)]
-        limit = int(mb * 2**20) // torch.empty((), dtype=mem.dtype).element_size()
-        cuts, start = [], 0
-        for k, (off, size) in enumerate(zip(bucket.offsets, bucket.sizes)):
-            if off + size - start >= limit and k < len(bucket.indices) - 1:
-                cuts.append((k + 1, off + size))
-                start = off + size
-        cuts.append((len(bucket.indices), bucket.numel))
-        return cuts
 
     def _eager_pack(self) -> bool:
         """CPU: copy each gradient into its bucket when it is ready, as DDP does (the copy
@@ -752,55 +603,6 @@ class Reducer(Joinable):
         if self._should_rebuild():
             self._rebuild(self._ready_order)
 
-    def _status_len(self) -> int:
-        cfg = self.config
-        used = cfg.find_unused_parameters or cfg.static_graph
-        return self.world_size + 1 + (len(self._params) if used else 0)
-
-    def _local_used(self, p: _Pass) -> list | None:
-        """This rank's used map when the global one is needed this iteration, else None."""
-        cfg = self.config
-        if not (cfg.find_unused_parameters or (cfg.static_graph and self._static_used is None)):
-            return None
-        if p.shadow:
-            return [0.0] * len(self._params)
-        # locally used: the hook fired with a gradient (DDP's local_used_map)
-        return [1.0 if (f > 0 and self._params[i].grad is not None) else 0.0
-                for i, f in enumerate(p.fired)]
-
-    def _write_status(self, p: _Pass, buf: torch.Tensor) -> int:
-        """Write the status into the tail of the last bucket's buffer; return its length."""
-        problems = 0 if p.shadow else (len(self._params) - sum(p.ready)) + len(p.errors)
-        p.status_errors = len(p.errors)
-        status = self._status_tensor(problems, self._local_used(p))
-        n = self._status_len()
-        tail = buf.narrow(0, buf.numel() - n, n)
-        tail.zero_()
-        tail[: status.numel()].copy_(status)
-        return n
-
-    def _read_status(self) -> torch.Tensor:
-        mem = self._mem[-1]
-        n = self._status_len()
-        return mem.active.narrow(0, mem.active.numel() - n, n).float().cpu()
-
-    def _status_tensor(self, problems: int, used: list | None) -> torch.Tensor:
-        """``[problems per rank..., overflow flag, used map...]``: one allreduce tells all."""
-        status = torch.zeros(self.world_size + 1 + (len(used) if used is not None else 0),
-                             dtype=torch.float32)
-        status[self.rank] = problems
-        if self._traits.check_overflow:
-            status[self.world_size] = float(self.found_inf.item())
-        if used is not None:
-            status[self.world_size + 1:] = torch.tensor(used, dtype=status.dtype)
-        return status.to(self._device)
-
-    def _launch_status(self, status: torch.Tensor):
-        if self.world_size == 1:
-            return None
-        self._guard.fingerprint("status", self._passes, 0, status.numel(), status.dtype)
-        return dist.all_reduce(status, group=self._guard.group, async_op=True)
-
     def _wait_buckets(self, p: _Pass) -> list:
         results = []
         it = self._passes
@@ -838,25 +640,6 @@ class Reducer(Joinable):
                 continue
             self._mem[b].finish(result, targets)
 
-    def _raise_missing(self, missing: list[int], counts: list[float], errors: list[str]) -> None:
-        ranks = [f"rank {r}: {int(c)}" for r, c in enumerate(counts) if c > 0]
-        if errors:
-            raise RuntimeError(f"tribucket (rank {self.rank}): {errors[0]}"
-                               + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
-        if not missing:
-            raise RuntimeError(
-                f"tribucket: another rank reported a problem in this backward pass "
-                f"({', '.join(ranks)}); see its error. This rank's gradients were not averaged.")
-        names = [self._names[i] for i in missing]
-        raise RuntimeError(
-            "tribucket: some parameters received no gradient in this backward pass "
-            f"({', '.join(ranks)} parameters missing). This rank ({self.rank}) got no gradient "
-            f"for: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}. Every rank "
-            "still completed its collectives, so none is left waiting. If parts of the model "
-            "are legitimately unused, pass find_unused_parameters=True to fused_bucketing (or "
-            "static_graph=True if the unused set never changes); otherwise make sure every "
-            "parameter contributes to the loss.")
-
     def _log_buckets(self, seconds: list[float]) -> None:
         for b, (bucket, s) in enumerate(zip(self._layout.buckets, seconds)):
             names = [self._names[i] for i in bucket.indices]
@@ -864,141 +647,6 @@ class Reducer(Joinable):
                         "%.2f ms from launch to end of backward: %s", self.rank,
                         self.stats.iterations, b, len(names), bucket.nbytes, s * 1e3,
                         ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""))
-
-    # ------------------------------------------------------------------ rebuild
-    def _should_rebuild(self) -> bool:
-        cfg = self.config
-        if self._rebuilt or (cfg.find_unused_parameters and not cfg.static_graph):
-            return False
-        return bool(self._ready_order)
-
-    def _rebuild(self, ready_order: list[int]) -> None:
-        """Rebuild the buckets in rank 0's gradient-ready order (broadcast), once."""
-        order = list(ready_order)
-        if self.config.static_graph:
-            order += [i for i in self._unused if i not in set(order)]
-        self._ready_order = []
-        if sorted(order) != list(range(len(self._params))):
-            order = list(range(len(self._params)))  # incomplete (a joined rank): index order
-        t = torch.tensor(order, dtype=torch.int64, device=self._device)
-        if self.world_size > 1:
-            self._guard.fingerprint("rebuild", self._passes, 0, t.numel(), t.dtype)
-            work = dist.broadcast(t, dist.get_global_rank(self._guard.group, 0)
-                                  if self._guard.group is not dist.group.WORLD else 0,
-                                  group=self._guard.group_arg(), async_op=True)
-            self._guard.wait(work, "the bucket-rebuild broadcast", self._passes)
-        cfg = self.config
-        self._layout = compute_layout(
-            self._params, bucket_cap_bytes=cfg.bucket_cap_bytes,
-            first_bucket_cap_bytes=cfg.first_bucket_cap_bytes,
-            expect_sparse=self._expect_sparse, order=t.tolist(),
-            align_bytes=self._layout.align_bytes)
-        self._rebuilt = True
-        self.stats.rebuilds += 1
-        self._allocate()
-
-    # ------------------------------------------------------------------ Join support
-    def _allreduce_flag(self, value: float, op=dist.ReduceOp.SUM) -> float:
-        t = torch.tensor([value], device=self._device)
-        work = dist.all_reduce(t, op=op, group=self.process_group, async_op=True)
-        self._guard.wait(work, "a Join coordination allreduce", self._passes)
-        return t.item()
-
-    def _common_rank(self, candidate: bool) -> int:
-        """The highest rank among the candidates (DDP's authoritative rank under Join)."""
-        r = self._allreduce_flag(float(self.rank if candidate else -1), op=dist.ReduceOp.MAX)
-        if r < 0:
-            raise RuntimeError("Join: no rank is a candidate to hold the authoritative model")
-        return int(r)
-
-    def _shadow_iteration(self) -> None:
-        """On a rank that ran out of inputs: issue the collectives one iteration of the
-        others issues, contributing zeros (the reducer's ``JoinHook.main_hook``)."""
-        if (self.config.broadcast_buffers and self._require_forward_param_sync
-                and self._buffers and self.world_size > 1):
-            src = self._common_rank(False)
-            self._guard.fingerprint("buffers", self._passes, 0, len(self._buffers),
-                                    None)
-            broadcast_coalesced([b.detach() for _, b in self._buffers], src=src,
-                                group=self._guard.group_arg())
-        sync = self._allreduce_flag(0.0) != 0
-        self._require_forward_param_sync = sync
-        self._passes += 1
-        if not sync:
-            return
-        if not self._allocated:
-            self._allocate()
-        p = _Pass(True, len(self._params), [len(b.indices) for b in self._layout.buckets])
-        p.shadow = True
-        for b, bucket in enumerate(self._layout.buckets):
-            p.state[b] = _BucketState.LAUNCHED
-            if bucket.sparse:
-                param = self._bucket_params[b][0]
-                self._launch_sparse(p, b, param)
-                continue
-            mem = self._mem[b]
-            mem.active = buf = mem.active if mem.active is not None else mem._new_buffer()
-            buf.zero_()
-            self._send(p, b, buf, self._bucket_params[b], bucket)
-        cfg = self.config
-        used = self._local_used(p)
-        if self._piggyback:
-            self._wait_buckets(p)  # zeros plus the others' gradients: discarded
-            status = self._read_status()
-        else:
-            status = self._status_tensor(0, used)
-            work = None if self._traits.serialize else self._launch_status(status)
-            self._wait_buckets(p)
-            if self._traits.serialize:
-                work = self._launch_status(status)
-            if work is not None:
-                self._guard.wait(work, "the end-of-backward status allreduce", self._passes)
-        if used is not None and cfg.static_graph:
-            self._static_used = (status[self.world_size + 1:] > 0).tolist()
-        if cfg.static_graph and self._static_counts is None:
-            self._static_counts = [1] * len(self._params)
-        self.stats.iterations += 1
-        if not self._rebuilt and not (cfg.find_unused_parameters and not cfg.static_graph) \
-                and not (cfg.static_graph and self.stats.iterations < 2):
-            self._rebuild(list(range(len(self._params))))
-
-
-class _ReducerJoinHook(JoinHook):
-    """``Join`` support: shadow the iteration on joined ranks, sync the model at the end."""
-
-    def __init__(self, reducer: Reducer, divide_by_initial_world_size: bool):
-        self.reducer = reducer
-        reducer._divide_by_initial_world_size = bool(divide_by_initial_world_size)
-
-    def main_hook(self) -> None:
-        self.reducer._shadow_iteration()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        # as DDP: the model of the last rank to join (ties: the highest rank) wins
-        r = self.reducer
-        src = r._common_rank(is_last_joiner)
-        r._broadcast_states(src_rank=src, buffers=r.config.broadcast_buffers)
-
-
-def _hook_state_dict(state: Any) -> Any:
-    if state is None or isinstance(state, dist.ProcessGroup) or isinstance(state, list):
-        return None
-    if hasattr(state, "state_dict"):
-        return state.state_dict()
-    if hasattr(state, "__getstate__") and hasattr(state, "process_group"):
-        return state.__getstate__()  # torch's PowerSGDState (process group excluded)
-    return None
-
-
-def _load_hook_state(state: Any, saved: Any) -> None:
-    if saved is None or state is None:
-        return
-    if hasattr(state, "load_state_dict"):
-        state.load_state_dict(saved)
-    elif hasattr(state, "__setstate__") and hasattr(state, "process_group"):
-        group = state.process_group
-        state.__setstate__(saved)
-        state.process_group = group  # keep the group the state was created with
 
 
 def fused_bucketing(model: nn.Module, process_group: dist.ProcessGroup | None = None, *,

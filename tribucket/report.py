@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-import torch
 from torch import nn
 
 from .layout import BucketLayout, compute_layout
