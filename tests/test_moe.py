@@ -200,7 +200,7 @@ def _expected_layout(all_ids, rank, L, E, cap):
 
 
 def _check_dispatch(routing, L, cf, seed):
-    rank, W = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     E, K = routing.num_experts, routing.top_k
     all_ids = routing.expert_ids
     xs, ws, gys = [], [], []

@@ -200,7 +200,7 @@ def test_exchange_groups_and_steps():
 # ---------------------------------------------------------------------------------------
 def _order_worker():
     """Log posts, waits and expert calls of one forward+backward, group_size 1 (W steps)."""
-    rank, W = dist.get_rank(), dist.get_world_size()
+    W = dist.get_world_size()
     # every token of every rank goes to expert t % W: each step has rows both ways
     ids_all = [torch.arange(8).remainder(W).view(8, 1) for _ in range(W)]
     layer = _layer(ids_all, 1, 1, None, 3, schedule="pairwise", group_size=1)
