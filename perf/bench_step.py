@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
     import tribucket
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    steps, extra = {}, {}
+    steps = {}
 
     def add(name, module, forward, opt, reducer=None):
         steps[name] = (module, forward, opt, reducer)
@@ -170,13 +170,30 @@ def measure(model_name: str, rounds: int, warmup: int, world: int = 2) -> dict:
     return data
 
 
-def table(results: list[dict]) -> str:
-    lines = ["| model | variant | step (ms) | vs local | vs DDP | bucket memory |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
+# issue 4 and 5's targets: step time of tribucket over its DDP counterpart, at most
+TARGETS = {("mlp", "tribucket"): 0.90, ("transformer", "tribucket"): 1.00,
+           ("mlp", "tribucket fp16"): 0.90, ("transformer", "tribucket fp16"): 0.90}
+
+
+def _ref(variant: str) -> str:
+    return "DDP fp16" if variant == "tribucket fp16" else "DDP"
+
+
+def table(results: list[dict], meta: dict | None = None) -> str:
+    lines = []
+    if meta:
+        load = meta.get("loadavg")
+        load_s = (f"; 1-min load average {load[0]:.2f} at the start" if load else "")
+        lines += [f"Training step (forward, backward, SGD), 2 gloo ranks x 1 intra-op thread on a "
+                  f"{meta['cpus']}-CPU {meta['machine']} machine, torch {meta['torch']}; median "
+                  f"of {meta['rounds']} rounds after {meta['warmup']} warm-up, variants "
+                  f"interleaved{load_s}.", ""]
+    lines += ["| model | variant | step (ms) | vs local | vs DDP | bucket memory |",
+              "| --- | --- | ---: | ---: | ---: | ---: |"]
     for res in results:
         med = res["median_s"]
         for v in VARIANTS:
-            ref = "DDP fp16" if v == "tribucket fp16" else "DDP"
+            ref = _ref(v)
             vs_ddp = f"{med[v] / med[ref]:.2f}×" if v.startswith("tribucket") else ""
             mem = res["bucket_bytes"].get(v)
             mem_s = f"{mem / 2**20:.1f} MiB" if mem is not None else ""
@@ -193,6 +210,16 @@ def table(results: list[dict]) -> str:
             lines.append(f"- {res['model']}, {k}: {s['backward_compute_s'] * 1e3:.1f} ms / "
                          f"{s['comm_exposed_s'] * 1e3:.1f} ms / {s['status_check_s'] * 1e3:.2f} "
                          f"ms ({res['buckets'][k]} buckets)")
+    lines.append("")
+    verdicts = []
+    for res in results:
+        model = res["model"].split()[0]
+        for (m, v), limit in TARGETS.items():
+            if m == model:
+                ratio = res["median_s"][v] / res["median_s"][_ref(v)]
+                verdicts.append(f"{model} {v} <= {limit:.2f}x {_ref(v)}: {ratio:.2f}x, "
+                                f"{'met' if ratio <= limit else 'NOT met'}")
+    lines.append("Targets (issues 4 and 5): " + "; ".join(verdicts) + ".")
     return "\n".join(lines)
 
 
@@ -222,8 +249,18 @@ def main(argv=None) -> None:
     p.add_argument("--models", default="mlp,transformer")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--render", action="store_true",
+                   help="re-make step.md and step.png from step.json without measuring")
     args = p.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.render:  # re-make the table and plot from step.json (no measuring)
+        data = json.loads((RESULTS / "step.json").read_text())
+        md = table(data["results"], data["meta"])
+        (RESULTS / "step.md").write_text(md + "\n")
+        plot(data["results"], RESULTS / "step.png")
+        print(md)
+        return
+    loadavg = list(os.getloadavg())
     results = []
     for name in args.models.split(","):
         t0 = time.time()
@@ -231,9 +268,10 @@ def main(argv=None) -> None:
         print(f"{name}: done in {time.time() - t0:.0f}s", file=sys.stderr)
         results.append(res)
     meta = {"torch": torch.__version__, "machine": platform.machine(),
-            "cpus": os.cpu_count(), "rounds": args.rounds, "warmup": args.warmup}
+            "cpus": os.cpu_count(), "rounds": args.rounds, "warmup": args.warmup,
+            "loadavg": loadavg}
     (RESULTS / "step.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    md = table(results)
+    md = table(results, meta)
     (RESULTS / "step.md").write_text(md + "\n")
     plot(results, RESULTS / "step.png")
     print(md)
