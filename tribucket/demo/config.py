@@ -1,0 +1,102 @@
+"""The demo's options: :class:`DemoConfig` (every field a command-line option) and the checks
+on their values, including the one that needs the world size (``_check_world``)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from ..moe.layer import SCHEDULES
+
+#: comm hooks the demo can put on tribucket's reducer ("none": the default allreduce)
+HOOKS = ("none", "fp16", "bf16", "powersgd", "gossip")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Options of the demo; every field is a command-line option (``--d-model`` ...)."""
+
+    #: optimizer steps of each training run (tribucket, then DDP)
+    steps: int = 120
+    #: processes per node when the demo launches torchrun itself (torchrun's --nproc-per-node)
+    nproc: int = 2
+    #: process-group backend: "auto" is nccl when CUDA is available, else gloo
+    backend: str = "auto"
+    #: model width
+    d_model: int = 64
+    #: attention heads (must divide d_model)
+    heads: int = 4
+    #: transformer blocks; the feed-forward of every second block (1, 3, ...) is an MoE
+    layers: int = 4
+    #: experts each rank holds in each MoE layer (E = world_size · experts_per_rank)
+    experts_per_rank: int = 2
+    #: experts per token
+    top_k: int = 2
+    #: hidden width of the dense MLPs and of each expert
+    ffn_hidden: int = 128
+    #: characters per training sequence
+    seq_len: int = 64
+    #: sequences per rank per step
+    batch_size: int = 16
+    #: AdamW peak learning rate (linear warm-up over the first 5% of steps, cosine to 10%)
+    lr: float = 3e-3
+    #: comm hook on tribucket's reducer; the DDP baseline always uses its default allreduce
+    hook: str = "none"
+    #: MoE token exchange: "alltoall", or FasterMoE's pipelined "pairwise" schedule
+    schedule: str = "alltoall"
+    #: seed of the weights and of every rank's batches (the same in both runs)
+    seed: int = 0
+    #: weight of the MoE load-balancing loss
+    aux_loss_coef: float = 0.01
+    #: validation batches per rank evaluated after each run
+    eval_batches: int = 4
+    #: training text (UTF-8); None: the built-in sonnets
+    text: str | None = None
+    #: figures and JSON go to <out_dir>/<timestamp>/; None writes nothing
+    out_dir: str | None = "runs"
+    #: intra-op threads per process on CPU. 1 by default: with other work on the machine,
+    #: OpenMP threads that spin-wait for a busy core made every step 20-40x slower here
+    threads: int = 1
+    #: run torch DDP after tribucket and compare (False: tribucket only)
+    compare: bool = True
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+
+        for name in ("steps", "nproc", "d_model", "heads", "layers", "experts_per_rank", "top_k",
+                     "ffn_hidden", "seq_len", "batch_size", "eval_batches", "threads"):
+            positive(name)
+        if self.d_model % self.heads:
+            raise ValueError(f"--d-model {self.d_model} is not divisible by --heads {self.heads}: "
+                             f"pick a head count that divides it (e.g. --heads "
+                             f"{math.gcd(self.d_model, self.heads)})")
+        if self.hook not in HOOKS:
+            raise ValueError(f"--hook {self.hook!r} is not one of {', '.join(HOOKS)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        for name in ("lr", "aux_loss_coef"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v!r}")
+        if self.lr == 0:
+            raise ValueError("--lr must be positive, got 0")
+        if self.text is not None and not os.path.isfile(self.text):
+            raise ValueError(f"--text {self.text!r} is not a file: pass a UTF-8 text file, or "
+                             "leave --text out for the built-in sonnets")
+
+    def num_experts(self, world_size: int) -> int:
+        return world_size * self.experts_per_rank
+
+
+def _check_world(cfg: DemoConfig, world: int) -> None:
+    if cfg.top_k > cfg.num_experts(world):
+        raise ValueError(f"--top-k {cfg.top_k} exceeds the {cfg.num_experts(world)} experts of "
+                         f"{world} rank(s) x --experts-per-rank {cfg.experts_per_rank}: lower "
+                         "--top-k or raise --experts-per-rank")
