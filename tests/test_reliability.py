@@ -86,7 +86,6 @@ def test_join_throw_on_early_termination(dist_run):
 def _peer_fails(mode, timeout_s=3.0):
     rank = dist.get_rank()
     model = build("mlp")
-    t0 = None
     try:
         with tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
                                        timeout=datetime.timedelta(seconds=timeout_s)):
@@ -95,28 +94,28 @@ def _peer_fails(mode, timeout_s=3.0):
                     if mode == "exit":
                         os._exit(7)
                     time.sleep(timeout_s * 2.5)  # stalls past the others' timeout
-                    return "slept"
-                t0 = time.monotonic()
+                    return "slept", time.monotonic()  # (CLOCK_MONOTONIC: one clock per host)
                 loss_of(model(batch("mlp", rank, step))).backward()
     except RuntimeError as e:
-        return str(e), time.monotonic() - t0
+        return str(e), time.monotonic()
     return "no error"
 
 
 @pytest.mark.parametrize("mode", ["exit", "stall"])
 def test_peer_failure_raises_instead_of_hanging(dist_run, mode):
-    t0 = time.monotonic()
+    # a hang fails the call at its 60 s timeout
     results = dist_run(_peer_fails, mode, world_size=3, timeout=60, teardown=True,
                        expect_dead=(1,) if mode == "exit" else ())
-    assert time.monotonic() - t0 < 45
     for rank in (0, 2):
-        message, seconds = results[rank]
+        message, raised_at = results[rank]
         assert "tribucket" in message and "bucket" in message, message
         assert "rank 1" in message, message  # the progress marks name the missing rank
+        assert "timed out" in message.lower() or mode == "exit", message
         if mode == "stall":
-            assert seconds < 3.0 + 5.0  # within the timeout, not a hang
+            # raised by the timeout while rank 1 was still asleep, not when it came back
+            assert raised_at < results[1][1], (raised_at, results[1])
     if mode == "stall":
-        assert results[1] == "slept"
+        assert results[1][0] == "slept"
 
 
 # ---------------------------------------------------------------- divergence detection
