@@ -145,14 +145,15 @@ class BucketMemory:
             if scale != 1.0:
                 view.mul_(scale)
         else:
+            slot = view.view(g.shape)  # the slot in the gradient's shape (row-major)
             if scale != 1.0 or g.dtype != buf.dtype:
-                torch.mul(g.reshape(-1), scale, out=view)  # fp32 math, one rounding cast
+                torch.mul(g, scale, out=slot)  # fp32 math, one rounding cast
             else:
-                view.copy_(g.reshape(-1))
+                slot.copy_(g)
             if self.transfer and self._contiguous[k]:
                 # point .grad at its slot now, as DDP does: autograd's tensor is freed at once
                 # and its memory is reused (still in cache) by the next gradient
-                self.params[k].grad = view.view(self.params[k].shape)
+                self.params[k].grad = slot
         if found_inf is not None and g is not None and not bool(torch.isfinite(view).all()):
             found_inf.fill_(1.0)  # checked while the slot is still in cache
         self._copied[k] = 1
