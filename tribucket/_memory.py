@@ -75,12 +75,10 @@ class BucketMemory:
     def chunk_bounds(self, chunk_mb: float | None, chunkable: bool) -> list[tuple[int, int]]:
         """Where this bucket's allreduce is cut into chunks of about ``chunk_mb`` MiB (at
         parameter boundaries): ``(parameters before the cut, element end)`` per chunk.
-        ``None``: 2 MiB when gradients are packed as they arrive, else one piece."""
+        ``None``/``0``, or gradients packed only when the bucket completes: one piece."""
         bucket = self.bucket
         mb = chunk_mb
-        if mb is None:
-            mb = 2 if self.eager else 0  # chunks are sendable early only if packed eagerly
-        if not mb or not self.eager or not chunkable:
+        if not mb or not self.eager or not chunkable:  # early chunks need eager packing
             return [(len(bucket.indices), bucket.numel)]
         limit = int(mb * 2**20) // torch.empty((), dtype=self.dtype).element_size()
         cuts, start = [], 0

@@ -50,10 +50,12 @@ class ReducerConfig:
     #: parameters (or their qualified names) this reducer leaves alone
     ignore_parameters: tuple = ()
     #: split the averaging allreduce of each bucket into chunks of about this many MiB,
-    #: each launched as soon as its gradients are in, so communication overlaps the rest of
-    #: backward (hooks still see whole, DDP-equal buckets). ``None``: 2 MiB where gradients
-    #: are packed as they arrive (CPU), off where buckets are packed in one launch (GPU);
-    #: ``0``: off. Applies to the default allreduce and tribucket's allreduce/fp16/bf16 hooks
+    #: each launched as soon as its gradients are in (CPU, where gradients are packed as
+    #: they arrive), so communication overlaps the rest of backward; hooks still see whole,
+    #: DDP-equal buckets. ``None`` or ``0``: off, the default: on the 2-core test machine
+    #: chunking moved communication into backward and the step was mostly longer (README,
+    #: Data parallel, Speed); try it where the communication threads have cores of their own.
+    #: Applies to the default allreduce and tribucket's allreduce/fp16/bf16 hooks
     comm_chunk_mb: float | None = None
     #: a collective that takes longer than this fails instead of hanging (``None``: the
     #: process group's own timeout); see the README's Reliability section
