@@ -136,6 +136,15 @@ class NaiveExpertParallel(nn.Module):
 
 
 # -- the worker -------------------------------------------------------------------------
+def _check_same_function(variants: dict, x: torch.Tensor, ref: str) -> None:
+    """Every variant must compute what ``variants[ref]`` computes, or the timings mean nothing."""
+    with torch.no_grad():
+        ys = {name: m(x) for name, m in variants.items()}
+    for name, y in ys.items():
+        torch.testing.assert_close(y, ys[ref], atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, n=name: f"{n} disagrees with {ref}: {m}")
+
+
 def _worker(rank: int, world: int, init_file: str, args, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=W)
@@ -158,12 +167,7 @@ def _worker(rank: int, world: int, init_file: str, args, queue):
     x = torch.randn(args.tokens, D, generator=g)
     gy = torch.randn(args.tokens, D, generator=g)
 
-    # the variants compute the same function
-    with torch.no_grad():
-        ys = {name: m(x) for name, m in variants.items()}
-    for name, y in ys.items():
-        torch.testing.assert_close(y, ys["MoELayer"], atol=1e-4, rtol=1e-4,
-                                   msg=lambda m, n=name: f"{n} disagrees with MoELayer: {m}")
+    _check_same_function(variants, x, "MoELayer")
 
     times = {name: [] for name in variants}
     for step in range(args.warmup + args.steps):
@@ -283,11 +287,7 @@ def _schedule_worker(rank: int, world: int, init_file: str, args, queue):
         variants = {name: MoELayer(copy.deepcopy(experts), E, D, top_k=K,
                                    router=copy.deepcopy(router), **kw)
                     for name, kw in configs.items()}
-        with torch.no_grad():  # the variants compute the same function
-            ys = {name: m(x) for name, m in variants.items()}
-        for name, y in ys.items():
-            torch.testing.assert_close(y, ys["alltoall"], atol=1e-4, rtol=1e-4,
-                                       msg=lambda m, n=name: f"{n} disagrees with alltoall: {m}")
+        _check_same_function(variants, x, "alltoall")
         times = {name: [] for name in variants}
         waits = {name: [] for name in variants}
         for step in range(args.warmup + args.steps):

@@ -413,6 +413,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
             encoded[2] = align
             self._layout = BucketLayout.from_tensor(encoded, self._params)
         self._mem, self._bucket_params, self._bucket_index = [], [], []
+        self._every_target: list[list[bool]] = []
         self._slot = [(0, 0)] * len(self._params)  # parameter -> (bucket, position in it)
         # per bucket: (parameters before the cut, element end) of each chunk it is sent in
         self._chunks = [[(len(b.indices), b.numel)] for b in self._layout.buckets]
@@ -428,6 +429,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
             params = [self._params[i] for i in bucket.indices]
             self._bucket_params.append(params)
             self._bucket_index.append(list(bucket.indices))
+            self._every_target.append([True] * len(bucket.indices))  # no used map: all
             if bucket.sparse:
                 self._mem.append(None)
                 continue
@@ -633,7 +635,8 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
     def _unpack_all(self, results: list, global_used) -> None:
         for b, result in enumerate(results):
             params = self._bucket_params[b]
-            targets = [global_used is None or global_used[i] for i in self._bucket_index[b]]
+            targets = (self._every_target[b] if global_used is None
+                       else [global_used[i] for i in self._bucket_index[b]])
             if self._layout.buckets[b].sparse:
                 if targets[0]:
                     params[0].grad = result
