@@ -82,17 +82,8 @@ class JoinSupport(Joinable):
             self._send(p, b, buf, self._bucket_params[b], bucket)
         cfg = self.config
         used = self._local_used(p)
-        if self._piggyback:
-            self._wait_buckets(p)  # zeros plus the others' gradients: discarded
-            status = self._read_status()
-        else:
-            status = self._status_tensor(0, used)
-            work = None if self._traits.serialize else self._launch_status(status)
-            self._wait_buckets(p)
-            if self._traits.serialize:
-                work = self._launch_status(status)
-            if work is not None:
-                self._guard.wait(work, "the end-of-backward status allreduce", self._passes)
+        # zeros plus the others' gradients: the results are discarded
+        _, status, _ = self._exchange_status(p, 0, used)
         if used is not None and cfg.static_graph:
             self._static_used = (status[self.world_size + 1:] > 0).tolist()
         if cfg.static_graph and self._static_counts is None:

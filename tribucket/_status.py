@@ -5,6 +5,8 @@ raised on every rank instead of leaving one waiting in a collective."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -31,6 +33,24 @@ class StatusSupport:
         # locally used: the hook fired with a gradient (DDP's local_used_map)
         return [1.0 if (f > 0 and self._params[i].grad is not None) else 0.0
                 for i, f in enumerate(p.fired)]
+
+    def _exchange_status(self, p: _Pass, problems: int,
+                         used: list | None) -> tuple[list, torch.Tensor, float]:
+        """Wait for every bucket's result and agree on the status across ranks: returns the
+        results, the reduced status and the seconds spent waiting on the status."""
+        start = time.perf_counter()
+        if self._piggyback:  # written into the last bucket when it was sent
+            results = self._wait_buckets(p)
+            return results, self._read_status(), time.perf_counter() - start
+        status = self._status_tensor(problems, used)
+        work = None if self._traits.serialize else self._launch_status(status)
+        results = self._wait_buckets(p)
+        if self._traits.serialize:  # hook callbacks may still be issuing collectives
+            work = self._launch_status(status)
+        start = time.perf_counter()
+        if work is not None:
+            self._guard.wait(work, "the end-of-backward status allreduce", self._passes)
+        return results, status, time.perf_counter() - start
 
     def _write_status(self, p: _Pass, buf: torch.Tensor) -> int:
         """Write the status into the tail of the last bucket's buffer; return its length."""

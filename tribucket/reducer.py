@@ -561,25 +561,11 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
             self._launch(p, b)
         p.next_bucket = len(p.state)
 
-        t_status = time.perf_counter()
-        if self._piggyback:
-            results = self._wait_buckets(p)
-            status = self._read_status()
-            if len(p.errors) > p.status_errors:  # misuse seen after the status was sent:
-                self._raise_missing([], [0.0] * self.world_size, p.errors)  # this rank only
-        else:
-            status = self._status_tensor(len(missing) + len(p.errors), used)
-            status_work = None
-            if not self._traits.serialize:
-                status_work = self._launch_status(status)
-            results = self._wait_buckets(p)
-            if self._traits.serialize:  # hook callbacks may still be issuing collectives
-                status_work = self._launch_status(status)
-            t_status = time.perf_counter()
-            if status_work is not None:
-                self._guard.wait(status_work, "the end-of-backward status allreduce",
-                                 self._passes)
-        self.stats.status_check_s = time.perf_counter() - t_status
+        results, status, self.stats.status_check_s = self._exchange_status(
+            p, len(missing) + len(p.errors), used)
+        if self._piggyback and len(p.errors) > p.status_errors:
+            # misuse seen after the status was sent with the last bucket: this rank only
+            self._raise_missing([], [0.0] * self.world_size, p.errors)
         counts = status[: self.world_size].tolist()
         if sum(counts) > 0:
             self._raise_missing(missing, counts, p.errors)
