@@ -1,19 +1,46 @@
-"""Tags on parameters that the layers of tribucket agree on."""
+"""Tags on parameters that the layers of tribucket agree on.
+
+An expert-parallel parameter has different values on each rank of its expert-parallel (EP)
+group: rank ``r`` of the group owns experts ``r*L .. r*L+L-1``. With expert x data
+parallelism (a world larger than the EP group) the same expert also lives on one rank of
+every other EP group; those ranks form the parameter's *replica group* (its
+expert-data-parallel group), across which it is averaged like a dense parameter.
+
+Readers of the tags (the data-parallel reducer, ``clip_grad_norm_``) use the functions
+below, never the attribute names.
+"""
 
 from __future__ import annotations
 
 import torch
 
 #: set on parameters that are expert-parallel (each rank owns different values):
-#: ``fused_bucketing`` neither verifies, broadcasts nor reduces them.
+#: ``fused_bucketing`` neither verifies, broadcasts nor reduces them over its group.
 EXPERT_PARALLEL_ATTR = "_tribucket_expert_parallel"
+#: the expert-parallel process group of a tagged parameter (None: the default group)
+EXPERT_GROUP_ATTR = "_tribucket_expert_group"
+#: the group of ranks that hold replicas of the same expert (None: no replicas)
+EXPERT_REPLICA_GROUP_ATTR = "_tribucket_expert_replica_group"
 
 
-def mark_expert_parallel(param: torch.Tensor) -> torch.Tensor:
-    """Tag ``param`` as expert-parallel; the data-parallel reducer will leave it alone."""
+def mark_expert_parallel(param: torch.Tensor, group=None, replica_group=None) -> torch.Tensor:
+    """Tag ``param`` as expert-parallel over ``group`` (None: the default group), with
+    replicas averaged over ``replica_group`` (None: the expert has no replicas)."""
     setattr(param, EXPERT_PARALLEL_ATTR, True)
+    setattr(param, EXPERT_GROUP_ATTR, group)
+    setattr(param, EXPERT_REPLICA_GROUP_ATTR, replica_group)
     return param
 
 
 def is_expert_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, EXPERT_PARALLEL_ATTR, False))
+
+
+def expert_group(param: torch.Tensor):
+    """The expert-parallel group of a tagged parameter (None: the default group)."""
+    return getattr(param, EXPERT_GROUP_ATTR, None)
+
+
+def expert_replica_group(param: torch.Tensor):
+    """The group across which a tagged parameter's replicas are averaged (None: none)."""
+    return getattr(param, EXPERT_REPLICA_GROUP_ATTR, None)
