@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -45,7 +46,7 @@ from ._rebuild import _DDP_ALIGN_BYTES, LayoutSupport
 from ._resume import ResumeSupport
 from ._status import StatusSupport
 from ._memory import BucketMemory
-from ._model import inspect_model, verify_across_ranks
+from ._model import expert_replica_sets, inspect_model, verify_across_ranks
 from ._watchdog import CommGuard
 from .comm import broadcast_coalesced
 from .config import ReducerConfig
@@ -72,7 +73,8 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
     """
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
-                 config: ReducerConfig | None = None, **options: Any):
+                 config: ReducerConfig | None = None, _only: list | None = None, **options: Any):
+        # _only: manage just these parameters, no buffers (an expert replicas' reducer)
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
@@ -91,7 +93,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         logger.info("tribucket reducer on rank %d/%d: %s", self.rank, self.world_size,
                     describe_backend())
 
-        view = inspect_model(module, config.ignore_parameters)
+        view = inspect_model(module, config.ignore_parameters, only=_only)
         self._state_params, self._buffers = view.state_params, view.buffers
         self._names, self._params, self._index_of = view.names, view.params, view.index_of
         self._device, self._expect_sparse = view.device, view.expect_sparse
@@ -135,6 +137,11 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         self._closed = False
         self._backward_start_ref = self._hook_ref("_on_backward_start")
         self._attach()
+        #: reducers averaging expert replicas over their replica groups (expert x data
+        #: parallelism), one per replica group, built with this reducer's options
+        self.expert_reducers: list[Reducer] = [] if _only is not None else [
+            Reducer(module, group, config=replace(config, broadcast_buffers=False), _only=params)
+            for group, params in expert_replica_sets(module, config.ignore_parameters)]
 
     # ------------------------------------------------------------------ set-up
     def _broadcast_states(self, src_rank: int, buffers: bool) -> None:
@@ -209,6 +216,8 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         if self._closed:
             return
         self._closed = True
+        for r in self.expert_reducers:
+            r.close()
         for h in self._handles:
             h.remove()
         self._handles.clear()

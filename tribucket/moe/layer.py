@@ -79,13 +79,16 @@ class MoELayer(nn.Module):
       no gradient) and ``P_e`` = mean over tokens of ``probs[:, e]``; 1.0 when balanced;
     * ``z = mean_t(logsumexp(logits[t])²)`` — the ST-MoE router z-loss.
 
-    Add it to your loss yourself (``loss = task_loss + layer.aux_loss``).
+    Add it to your loss yourself: ``loss = task_loss + tribucket.moe.aux_losses(model)``
+    sums every layer's (``layer.aux_loss`` is this layer's).
 
     Parameters and gradients: the router is replicated (broadcast from the group's rank 0
     when the layer is built) and its gradient is left local — the data-parallel reducer
-    averages it. Expert parameters are tagged expert-parallel (``fused_bucketing`` skips
-    them); an expert's gradient is the sum over every rank's tokens routed to it, times
-    ``expert_grad_scale`` (``1 / W`` gives a data-parallel mean). ``state_dict()`` names
+    averages it. Expert parameters are tagged expert-parallel (``fused_bucketing``'s
+    data-parallel buckets skip them); an expert's gradient is the sum over every rank's
+    tokens routed to it, times ``expert_grad_scale``, whose default ``1 / W`` makes it the
+    mean over the group's ranks, as DDP's average of a dense parameter (each rank's loss
+    being a mean over its own tokens). ``state_dict()`` names
     experts by global index (``experts.5.weight`` on the rank owning expert 5), and
     ``load_state_dict`` accepts a file holding other ranks' experts too (it takes its own).
 
@@ -120,6 +123,14 @@ class MoELayer(nn.Module):
     shadows runs the pipeline engine as one step (every peer at once) instead of the
     all-to-alls. ``stats.shadowed`` names the experts shadowed last.
 
+    **Expert x data parallelism.** With ``group`` smaller than the world (``W`` ranks out of
+    ``W * R``), each expert lives on one rank of each of ``R`` groups; ``replica_group`` (this
+    rank's ranks that hold the same experts; both groups come from
+    :func:`~tribucket.moe.expert_data_parallel_groups`) is required then, and
+    ``fused_bucketing`` averages the experts' gradients over it (a second set of buckets, with
+    the reducer's overlap and options), so the default ``1 / W`` times that average is again
+    the mean over all ``W * R`` ranks.
+
     Every rank must build the layer with the same arguments (checked: one small all-gather
     when the layer is built) and agree on ``x.requires_grad`` and on which expert parameters
     require grad.
@@ -143,10 +154,11 @@ class MoELayer(nn.Module):
         capacity_factor: float | None = None,
         normalize_weights: bool | None = None,
         group: dist.ProcessGroup | None = None,
+        replica_group: dist.ProcessGroup | None = None,
         schedule: str = "alltoall",
         group_size: int = 4,
         shadow_policy=None,
-        expert_grad_scale: float = 1.0,
+        expert_grad_scale: float | None = None,
         aux_loss_coef: float = 0.01,
         z_loss_coef: float = 0.0,
         backend: str = "auto",
@@ -158,6 +170,9 @@ class MoELayer(nn.Module):
             raise TypeError("experts must be a non-empty nn.ModuleList (or sequence) of this "
                             f"rank's expert modules, got {experts!r}")
         rank, world = group_rank_and_size(group)
+        _check_replica_group(group, replica_group, world)
+        if expert_grad_scale is None:  # the mean over the group's ranks (see the docstring)
+            expert_grad_scale = 1.0 / world
         self.dispatcher = MoEDispatcher(num_experts, group=group, capacity_factor=capacity_factor,
                                         backend=backend)
         if num_experts != world * len(experts):
@@ -222,12 +237,15 @@ class MoELayer(nn.Module):
         # keyed by global index, so state_dict() says experts.5.… on the owner of expert 5
         self.experts = nn.ModuleDict({str(self.expert_offset + l): e for l, e in enumerate(experts)})
         for p in self.experts.parameters():
-            mark_expert_parallel(p)
+            mark_expert_parallel(p, group=group, replica_group=replica_group)
             if self.expert_grad_scale != 1.0:
                 p.register_hook(lambda g, s=self.expert_grad_scale: g * s)
         self.register_load_state_dict_pre_hook(_drop_other_ranks_experts)
         _broadcast_from_first_rank(self.router, group)
         _check_ranks_agree(self, signature, group)
+        _check_replicas_agree(self, replica_group)
+        #: the group across which this rank's experts are replicated (None: no replicas)
+        self.replica_group = replica_group
 
         #: load-balancing (+ z) loss of the last forward (None before the first)
         self.aux_loss: torch.Tensor | None = None
@@ -385,6 +403,49 @@ def _check_ranks_agree(layer: MoELayer, signature, group: dist.ProcessGroup | No
             raise ValueError(f"the ranks of the expert-parallel group built MoELayer with different "
                              f"{what}: rank(s) {bad} differ from rank 0; pass the same arguments "
                              f"on every rank")
+
+
+def _check_replica_group(group, replica_group, ep_world: int) -> None:
+    """Local checks of ``replica_group`` against the EP group (no communication)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if replica_group is not None:
+            raise RuntimeError("replica_group was given but torch.distributed is not initialised")
+        return
+    world = dist.get_world_size()
+    if replica_group is None:
+        if ep_world < world:
+            raise ValueError(
+                f"group has {ep_world} of the {world} ranks, so every expert has replicas on "
+                f"other ranks that nothing would average: pass replica_group= too (both come "
+                f"from tribucket.moe.expert_data_parallel_groups(ep_size={ep_world}))")
+        return
+    me = dist.get_rank()
+    replicas = dist.get_process_group_ranks(replica_group)
+    ep = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    if me not in replicas or set(replicas) & set(ep) != {me}:
+        raise ValueError(
+            f"replica_group {replicas} must hold this rank ({me}) and no other rank of its "
+            f"expert-parallel group {ep}; build both with "
+            "tribucket.moe.expert_data_parallel_groups(ep_size)")
+
+
+def _check_replicas_agree(layer: MoELayer, replica_group) -> None:
+    """One all-gather over the replica group: its ranks hold the same global experts."""
+    if replica_group is None or dist.get_world_size(replica_group) == 1:
+        return
+    device = next(itertools.chain(layer.router.parameters(), layer.experts.parameters())).device
+    mine = torch.tensor([layer.expert_offset, layer.num_experts], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(replica_group))]
+    dist.all_gather(every, mine, group=replica_group)
+    rows = [tuple(t.tolist()) for t in every]
+    if len(set(rows)) > 1:
+        ranks = dist.get_process_group_ranks(replica_group)
+        raise ValueError(
+            "the ranks of replica_group do not hold the same experts: "
+            + ", ".join(f"rank {g} has experts {o}..{o + layer.num_local_experts - 1} of {n}"
+                        for g, (o, n) in zip(ranks, rows))
+            + "; a rank's replica group must be the ranks at its position in the other "
+            "expert-parallel groups (tribucket.moe.expert_data_parallel_groups)")
 
 
 def _drop_other_ranks_experts(module: MoELayer, state_dict, prefix, *_unused) -> None:

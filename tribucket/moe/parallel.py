@@ -1,0 +1,71 @@
+"""Expert x data parallelism (the process groups) and the model-wide MoE losses.
+
+With ``world = ep_size * dp_size`` ranks, rank ``r`` sits in expert-parallel (EP) group
+``r // ep_size`` (consecutive ranks, which share the experts between them) at position
+``r % ep_size``, and in the expert-data-parallel (EDP, replica) group of every rank at the
+same position (ranks ``r % ep_size``, ``+ ep_size``, ...), which hold the same experts.
+Example, 4 ranks, ``ep_size=2``: EP groups ``{0, 1}``, ``{2, 3}``; replica groups
+``{0, 2}``, ``{1, 3}``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["aux_losses", "expert_data_parallel_groups"]
+
+
+def expert_data_parallel_groups(ep_size: int):
+    """``(ep_group, replica_group)`` of this rank, for ``MoELayer(group=, replica_group=)``.
+
+    Every rank must call it, in the same place (it creates every group, in one order, as
+    ``dist.new_group`` requires). ``replica_group`` is None when ``ep_size`` is the world
+    size (no expert has replicas).
+
+    Example (4 ranks, 2 experts per rank, 4 experts in all, each on 2 ranks)::
+
+        ep, replicas = tribucket.moe.expert_data_parallel_groups(ep_size=2)
+        layer = MoELayer(my_two_experts, num_experts=4, d_model=D, group=ep, replica_group=replicas)
+        with tribucket.fused_bucketing(model):   # dense over the world, experts over `replicas`
+            ...
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("expert_data_parallel_groups needs torch.distributed: call "
+                           "dist.init_process_group(...) first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1 \
+            or world % ep_size:
+        raise ValueError(f"ep_size={ep_size!r} must be a positive int dividing the world size "
+                         f"{world} (the ranks that share one set of experts)")
+    ep_group = replica_group = None
+    for start in range(0, world, ep_size):  # every rank creates every group, in this order
+        g = dist.new_group(list(range(start, start + ep_size)))
+        if start <= rank < start + ep_size:
+            ep_group = g
+    if ep_size < world:
+        for pos in range(ep_size):
+            g = dist.new_group(list(range(pos, world, ep_size)))
+            if rank % ep_size == pos:
+                replica_group = g
+    return ep_group, replica_group
+
+
+def aux_losses(model: nn.Module) -> torch.Tensor:
+    """The sum of every :class:`MoELayer`'s ``aux_loss`` (balance + z loss) in ``model``
+    from its last forward; add it to your loss: ``loss = task_loss + aux_losses(model)``.
+
+    Layers that have not run a forward yet are skipped; a model without any MoELayer, or
+    none of whose layers has run, is an error (the loss would silently be zero).
+    """
+    from .layer import MoELayer
+
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
+    if not layers:
+        raise ValueError(f"aux_losses: {type(model).__name__} has no MoELayer")
+    losses = [m.aux_loss for _, m in layers if m.aux_loss is not None]
+    if not losses:
+        raise RuntimeError(f"aux_losses: no MoELayer of the model has run a forward yet "
+                           f"({', '.join(repr(n) for n, _ in layers[:3])}): call the model first")
+    return torch.stack([loss.float() for loss in losses]).sum()
