@@ -190,3 +190,66 @@ def test_aux_losses_sums_every_layer_and_rejects_misuse():
 def test_default_expert_grad_scale_single_process_is_one():
     layer = MoELayer([_ffn(e) for e in range(2)], 2, D)
     assert layer.expert_grad_scale == 1.0
+
+
+def _clip_worker(norm_types):
+    """One backward (pure EP, 2 ranks), then each norm type on copies of the gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    L, seed = 2, 11
+    E = world * L
+    torch.manual_seed(seed)
+    router = nn.Linear(D, E, bias=False)
+    experts = [_ffn(seed * 100 + e) for e in range(E)]
+    ref = _Net(_DenseMoE(copy.deepcopy(router), copy.deepcopy(experts)), seed)
+    layer = MoELayer([copy.deepcopy(experts[e]) for e in range(rank * L, rank * L + L)], E, D,
+                     top_k=K, router=copy.deepcopy(router), aux_loss_coef=AUX, z_loss_coef=Z)
+    model = _Net(layer, seed)
+    with tribucket.fused_bucketing(model):
+        x, t = _data(seed, rank, 0)
+        (nn.functional.mse_loss(model(x), t) + aux_losses(model)).backward()
+    total = 0.0
+    for r in range(world):
+        x, t = _data(seed, r, 0)
+        total = total + nn.functional.mse_loss(ref(x), t) + ref.moe.aux
+    (total / world).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    out = {}
+    for norm_type in norm_types:
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+        for n, p in ref.named_parameters():
+            p.grad = ref_grads[n].clone()
+        got = tribucket.clip_grad_norm_(model, 0.05, norm_type=norm_type)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=norm_type)
+        ref_named = dict(ref.named_parameters())  # the same names: experts by global index
+        clipped = {n: (p.grad.clone(), ref_named[n].grad.clone())
+                   for n, p in model.named_parameters()}
+        out[norm_type] = (got, want, clipped)
+    # a non-finite gradient on one rank's expert: every rank raises
+    model.moe.experts[str(rank * L)][0].weight.grad[0, 0] = float("inf") if rank == 1 else 0.0
+    try:
+        tribucket.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        out["nonfinite"] = None
+    except RuntimeError as e:
+        out["nonfinite"] = str(e)
+    return out
+
+
+@pytest.mark.dist
+def test_clip_grad_norm_equals_torch_on_dense_equivalent(dist_run):
+    norm_types = (2.0, 1.0, 3.0, float("inf"))
+    results = dist_run(_clip_worker, norm_types, world_size=2)
+    for rank, out in enumerate(results):
+        for norm_type in norm_types:
+            got, want, clipped = out[norm_type]
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+            assert float(want) > 0.05, "the case must clip"
+            assert torch.equal(got, results[0][norm_type][0]), (rank, norm_type)
+            for n, (g, w) in clipped.items():
+                torch.testing.assert_close(g, w, atol=1e-7, rtol=1e-5,
+                                           msg=lambda m: f"rank {rank} {n} p={norm_type}: {m}")
+        assert "non-finite" in out["nonfinite"] and "error_if_nonfinite=False" in out["nonfinite"]
+    for n in results[0][2.0][2]:
+        if ".experts." not in n:  # dense gradients, clipped: the same bits on every rank
+            assert torch.equal(results[1][2.0][2][n][0], results[0][2.0][2][n][0]), n
