@@ -9,6 +9,8 @@ Shape legend (suffixes on tensor names):
 
 from __future__ import annotations
 
+import copy
+import datetime
 import itertools
 import math
 import zlib
@@ -21,7 +23,9 @@ from torch import nn
 
 from .._tags import mark_expert_parallel
 from ..comm import group_rank_and_size
-from .dispatcher import DispatchMeta, MoEDispatcher
+from ..kernels.moe import moe_counts, permute_tokens, unpermute_tokens
+from ._guard import MoEGuard
+from .dispatcher import DispatchMeta, MoEDispatcher, _route, expert_capacity
 from .schedule import pipelined_experts
 from .shadow import ShadowCosts, resolve_shadow_policy
 
@@ -162,6 +166,8 @@ class MoELayer(nn.Module):
         aux_loss_coef: float = 0.01,
         z_loss_coef: float = 0.0,
         backend: str = "auto",
+        timeout: datetime.timedelta | None = None,
+        name: str | None = None,
     ):
         super().__init__()
         # every check comes before the router broadcast, the first collective
@@ -202,10 +208,16 @@ class MoELayer(nn.Module):
             if not signature:
                 raise ValueError("shadow_policy needs experts with parameters (there is nothing to "
                                  "broadcast); pass shadow_policy=None")
-        for name, v in (("expert_grad_scale", expert_grad_scale), ("aux_loss_coef", aux_loss_coef),
+        for arg, v in (("expert_grad_scale", expert_grad_scale), ("aux_loss_coef", aux_loss_coef),
                         ("z_loss_coef", z_loss_coef)):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                raise ValueError(f"{name} must be a finite number, got {v!r}")
+                raise ValueError(f"{arg} must be a finite number, got {v!r}")
+        if timeout is not None and (not isinstance(timeout, datetime.timedelta)
+                                    or timeout.total_seconds() <= 0):
+            raise ValueError(f"timeout must be a positive datetime.timedelta (or None: the "
+                             f"process group's own), got {timeout!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str (how errors call the layer), got {name!r}")
         if aux_loss_coef < 0 or z_loss_coef < 0:
             raise ValueError(f"aux_loss_coef and z_loss_coef must be >= 0, got "
                              f"{aux_loss_coef!r} and {z_loss_coef!r}")
@@ -226,6 +238,8 @@ class MoELayer(nn.Module):
         self.expert_grad_scale = float(expert_grad_scale)
         self.aux_loss_coef = float(aux_loss_coef)
         self.z_loss_coef = float(z_loss_coef)
+        #: collectives that take longer fail with a diagnosis (None: the group's timeout)
+        self.timeout = timeout
         #: global index of this rank's first expert
         self.expert_offset = rank * len(experts)
 
@@ -241,8 +255,12 @@ class MoELayer(nn.Module):
             if self.expert_grad_scale != 1.0:
                 p.register_hook(lambda g, s=self.expert_grad_scale: g * s)
         self.register_load_state_dict_pre_hook(_drop_other_ranks_experts)
+        _check_ranks_agree(self, signature, group)  # first: the broadcast needs equal shapes
+        # the group the layer's collectives run on (timed when timeout is given), its
+        # progress marks and failure reports
+        self._guard = MoEGuard(group, rank, world, timeout, name)
+        self.dispatcher.group = group = self._guard.group
         _broadcast_from_first_rank(self.router, group)
-        _check_ranks_agree(self, signature, group)
         _check_replicas_agree(self, replica_group)
         #: the group across which this rank's experts are replicated (None: no replicas)
         self.replica_group = replica_group
@@ -251,6 +269,8 @@ class MoELayer(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         #: routing figures of the last forward (None before the first)
         self.stats: MoEStats | None = None
+        #: every expert of the group, inside ``gathered_experts`` (None: expert-parallel)
+        self._gathered: list[nn.Module] | None = None
 
     @property
     def local_experts(self) -> list[nn.Module]:
@@ -266,11 +286,34 @@ class MoELayer(nn.Module):
                 + (f", shadow_policy={self.shadow_policy!r}" if self.shadow_policy is not None else ""))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 1 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x has shape {tuple(x.shape)}: its last dimension must be "
-                             f"d_model={self.d_model} (pass [..., {self.d_model}] inputs)")
-        x_TD = x.reshape(-1, self.d_model)
-        logits_TE = self._router_logits(x_TD)
+        guard = self._guard
+        guard.forwards += 1
+        try:
+            y = self._forward(x)
+        except Exception as e:  # a failed collective: name the layer, phase and missing rank
+            failure = guard.failure_of(e)
+            if failure is None:
+                raise
+            raise failure from e
+        if y.requires_grad and self.dispatcher.world_size > 1 and self._gathered is None:
+            y.register_hook(guard.backward_mark)
+        return y
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        disp = self.dispatcher
+        policy = self.shadow_policy
+        gather = policy is not None and policy.needs_counts and disp.world_size > 1
+        try:  # a rank whose input is bad still joins the first collective, so all raise
+            if x.dim() < 1 or x.shape[-1] != self.d_model:
+                raise ValueError(f"x has shape {tuple(x.shape)}: its last dimension must be "
+                                 f"d_model={self.d_model} (pass [..., {self.d_model}] inputs)")
+            x_TD = x.reshape(-1, self.d_model)
+            logits_TE = self._router_logits(x_TD)
+        except (ValueError, TypeError) as error:
+            if self._gathered is not None:
+                raise
+            self._guard.mark("counts")
+            disp.fail_plan(error, x.device, gather_counts=gather)
         probs_TE = torch.softmax(logits_TE, dim=-1)
         weights_TK, expert_ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
         if self.normalize_weights and self.top_k == 1:
@@ -278,19 +321,21 @@ class MoELayer(nn.Module):
             weights_TK = torch.ones_like(weights_TK)
         elif self.normalize_weights:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        if self._gathered is not None:  # every expert here: no collective
+            return self._forward_gathered(x, x_TD, logits_TE, probs_TE, weights_TK, expert_ids_TK)
 
-        disp = self.dispatcher
-        policy = self.shadow_policy
-        meta = disp.plan(x_TD, expert_ids_TK, weights_TK,
-                         gather_counts=policy is not None and policy.needs_counts
-                         and disp.world_size > 1)
+        self._guard.mark("counts")
+        meta = disp.plan(x_TD, expert_ids_TK, weights_TK, gather_counts=gather)
         shadowed = self._decide_shadows(meta, x_TD.dtype)
+        self._guard.mark("dispatch")
         if self.schedule == "alltoall" and not shadowed:
             expert_input_RD = disp.exchange(disp.permute(x_TD, meta), meta)
             try:
                 outputs = self._run_experts(expert_input_RD, meta)
             except Exception as error:  # every rank must hear of it before the return exchange
+                self._guard.mark("combine")
                 disp.fail_combine(error, meta)
+            self._guard.mark("combine")
             y_TD = disp.combine(outputs, meta)
         else:  # the pipeline (a single step, every peer at once, for "alltoall" + shadows)
             group_size = self.group_size if self.schedule == "pairwise" else disp.world_size
@@ -309,6 +354,62 @@ class MoELayer(nn.Module):
         return y_TD.view(*x.shape[:-1], self.d_model)
 
     # -------------------------------------------------------------------------------------
+    def _forward_gathered(self, x, x_TD, logits_TE, probs_TE, weights_TK, expert_ids_TK):
+        """The layer with every expert on this rank (inside ``gathered_experts``): the same
+        routing, capacity and combine as the expert-parallel path, no collective."""
+        E, backend = self.num_experts, self.dispatcher.backend
+        T, K = expert_ids_TK.shape
+        capacity = expert_capacity(self.dispatcher.capacity_factor, T, K, E)
+        counts_E = moe_counts(expert_ids_TK, E, backend=backend)
+        dest_TK, sent_E = _route(expert_ids_TK, counts_E, capacity)
+        sent = sent_E.tolist()
+        rows_ND = permute_tokens(x_TD, dest_TK, sum(sent), backend=backend)
+        outs = [expert(chunk) for expert, chunk in zip(self._gathered, rows_ND.split(sent))]
+        y_TD = unpermute_tokens(torch.cat(outs) if outs else rows_ND, dest_TK, weights_TK,
+                                backend=backend)
+        self.aux_loss = self._aux_loss(logits_TE, probs_TE, counts_E)
+        first = self.expert_offset
+        self.stats = MoEStats(tokens_per_expert=tuple(counts_E.tolist()),
+                              tokens_received=tuple(sent[first:first + self.num_local_experts]),
+                              dropped=T * K - sum(sent), capacity=capacity)
+        return y_TD.view(*x.shape[:-1], self.d_model)
+
+    def gather_experts(self) -> list[nn.Module]:
+        """Every expert of the group, in global order: this rank's own modules and copies of
+        the others' (a collective: every rank of the group calls it; no gradient flows to
+        the copies). Experts at the same local index must be alike on every rank."""
+        W, L = self.dispatcher.world_size, self.num_local_experts
+        local = self.local_experts
+        if W == 1:
+            return local
+        group = self._guard.group
+        device = next(itertools.chain(self.router.parameters(), self.experts.parameters())).device
+        states = [e.state_dict() for e in local]
+        sig = [_crc([(k, tuple(t.shape), str(t.dtype)) for k, t in st.items()]) for st in states]
+        mine = torch.tensor(sig, dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(W)]
+        dist.all_gather(every, mine, group=group)
+        bad = [w for w in range(W) if not torch.equal(every[w], every[0])]
+        if bad:
+            raise ValueError(f"gathered_experts needs the experts at each local index alike on "
+                             f"every rank (names, shapes, dtypes): rank(s) {bad} differ from rank 0")
+        full: list[dict] = [{} for _ in range(W * L)]
+        for l, st in enumerate(states):
+            for k, t in st.items():
+                parts = [torch.empty_like(t) for _ in range(W)]
+                dist.all_gather(parts, t.contiguous(), group=group)
+                for w in range(W):
+                    full[w * L + l][k] = parts[w]
+        experts = []
+        for e in range(W * L):
+            if self.expert_offset <= e < self.expert_offset + L:
+                experts.append(local[e - self.expert_offset])
+                continue
+            copy_ = copy.deepcopy(local[e % L]).requires_grad_(False)
+            copy_.load_state_dict(full[e])
+            experts.append(copy_)
+        return experts
+
     def _router_logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         """fp32 ``[T, E]`` logits; the router runs in its own parameter dtype (fp32 by default)."""
         p = next(self.router.parameters(), None)
@@ -376,33 +477,45 @@ def _crc(obj) -> int:
 def _check_ranks_agree(layer: MoELayer, signature, group: dist.ProcessGroup | None) -> None:
     """One all-gather: every rank built the layer alike (and, to shadow, with alike experts).
 
-    A rank with another schedule, group size, shadow policy, top_k or capacity would issue
-    different collectives in forward and hang the group; this catches it when the layer is
-    built, naming the ranks.
+    A rank with another schedule, group size, shadow policy, top_k, capacity or d_model would
+    issue different collectives in forward (or abort the router broadcast, which comes after
+    this check) and hang the group; this catches it when the layer is built, naming the
+    field and the ranks. Integer fields travel as themselves, the others as CRCs.
     """
     _, world = group_rank_and_size(group)
     if world == 1:
         return
     policy = layer.shadow_policy
     policy_key = repr(policy) if policy is None or is_dataclass(policy) else type(policy).__qualname__
-    config = (layer.schedule, layer.group_size, policy_key, layer.num_experts, layer.top_k,
-              layer.d_model, layer.dispatcher.capacity_factor, layer.normalize_weights)
+    fields = [("d_model", layer.d_model), ("num_experts", layer.num_experts),
+              ("top_k", layer.top_k), ("group_size", layer.group_size),
+              ("normalize_weights", int(layer.normalize_weights)),
+              ("schedule", _crc(layer.schedule)), ("shadow_policy", _crc(policy_key)),
+              ("capacity_factor", _crc(layer.dispatcher.capacity_factor)),
+              ("timeout", _crc(layer.timeout)),
+              ("router parameters (names, shapes, dtypes)", _crc(_expert_signature(layer.router))),
+              ("expert parameters (names, shapes, dtypes), needed to shadow",
+               _crc(signature) if policy is not None else 0)]
+    numeric = 5  # the first five fields are integers worth printing
     device = next(itertools.chain(layer.router.parameters(), layer.experts.parameters())).device
-    mine = torch.tensor([_crc(config), _crc(signature) if policy is not None else 0],
-                        dtype=torch.int64, device=device)
+    mine = torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
-    rows = [tuple(t.tolist()) for t in every]
-    for column, what in ((0, "schedule, group_size, shadow_policy, num_experts, top_k, d_model, "
-                             "capacity_factor or normalize_weights"),
-                         (1, "expert parameters (names, shapes, dtypes), needed to shadow")):
+    rows = [t.tolist() for t in every]
+    problems = []
+    for column, (name, _) in enumerate(fields):
         values = [r[column] for r in rows]
-        if len(set(values)) > 1:
-            ref = values[0]
-            bad = [r for r, v in enumerate(values) if v != ref]
-            raise ValueError(f"the ranks of the expert-parallel group built MoELayer with different "
-                             f"{what}: rank(s) {bad} differ from rank 0; pass the same arguments "
-                             f"on every rank")
+        if len(set(values)) == 1:
+            continue
+        if column < numeric:
+            problems.append(f"{name}: " + ", ".join(f"{v} on rank {r}" for r, v in enumerate(values)))
+        else:
+            problems.append(f"{name} on rank(s) {[r for r, v in enumerate(values) if v != values[0]]}"
+                            " differ from rank 0's")
+    if problems:
+        raise ValueError(f"the ranks of the expert-parallel group built MoELayer with different "
+                         f"arguments ({'; '.join(problems)}); pass the same arguments on every "
+                         "rank")
 
 
 def _check_replica_group(group, replica_group, ep_world: int) -> None:

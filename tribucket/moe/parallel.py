@@ -10,11 +10,14 @@ Example, 4 ranks, ``ep_size=2``: EP groups ``{0, 1}``, ``{2, 3}``; replica group
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["aux_losses", "expert_data_parallel_groups"]
+__all__ = ["aux_losses", "expert_data_parallel_groups", "gathered_experts"]
 
 
 def expert_data_parallel_groups(ep_size: int):
@@ -69,3 +72,35 @@ def aux_losses(model: nn.Module) -> torch.Tensor:
         raise RuntimeError(f"aux_losses: no MoELayer of the model has run a forward yet "
                            f"({', '.join(repr(n) for n, _ in layers[:3])}): call the model first")
     return torch.stack([loss.float() for loss in losses]).sum()
+
+
+@contextlib.contextmanager
+def gathered_experts(model: nn.Module) -> Iterator[nn.Module]:
+    """Give every rank all experts of every :class:`MoELayer` in ``model``, so a forward
+    inside runs on one rank alone, with no collective (evaluation on rank 0 only).
+
+    Entering is a collective (every rank of each layer's group, the same model): one
+    all-gather per expert tensor. Inside, each layer computes every token's experts locally
+    (the same routing, capacity and gate weights; the other ranks' experts are detached
+    copies, so this is for evaluation, not training); leaving restores expert parallelism.
+    It needs the memory of every expert on each rank.
+
+    Example::
+
+        with tribucket.moe.gathered_experts(model):   # on every rank
+            if rank == 0:
+                evaluate(model)
+    """
+    from .layer import MoELayer
+
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        raise ValueError(f"gathered_experts: {type(model).__name__} has no MoELayer")
+    everything = [layer.gather_experts() for layer in layers]
+    try:
+        for layer, experts in zip(layers, everything):
+            layer._gathered = experts
+        yield model
+    finally:
+        for layer in layers:
+            layer._gathered = None
