@@ -39,7 +39,7 @@ reported but not judged.
     python perf/bench_moe.py [--steps 7] [--warmup 1] [--tokens 4096] [--part all|baseline|schedule]
 
 Writes perf/results/moe.json, moe.png and moe.md, and moe_schedule.json/.png/.md (copied into
-the README by ``python perf/update_readme.py``).
+docs/benchmarks.md by ``python perf/update_readme.py``).
 """
 
 from __future__ import annotations
@@ -540,7 +540,7 @@ def _baseline(args) -> dict:
 
 
 def _write(name: str, result: dict, table, plot) -> dict:
-    """perf/results/<name>.json, .md (the README table) and .png; print the table."""
+    """perf/results/<name>.json, .md (the table of docs/benchmarks.md) and .png; print the table."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(table(result))
