@@ -23,7 +23,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "perf" / "results"
 
-__all__ = ["pages", "headline", "update"]
+__all__ = ["pages", "headline", "fill", "update"]
 
 _MARKER = re.compile(r"(<!-- perf:([\w-]+) -->\n).*?(<!-- /perf:\2 -->)", re.S)
 # Result files written before the benchmarks stopped naming the project's issues.
@@ -113,24 +113,31 @@ def _body(name: str) -> str | None:
     return _ISSUE_REF.sub("", md.read_text()).rstrip("\n") + "\n"
 
 
+def fill(text: str, names: list[str] | None = None) -> tuple[str, list[str]]:
+    """``text`` with the tables between its markers rewritten, and the names written."""
+    written = []
+
+    def one(m: re.Match) -> str:
+        name = m.group(2)
+        body = _body(name) if not names or name in names else None
+        if body is None:
+            return m.group(0)
+        written.append(name)
+        return m.group(1) + body + m.group(3)
+
+    return _MARKER.sub(one, text), written
+
+
 def update(names: list[str] | None = None) -> list[str]:
     """Fill every marker pair of every page; return ``page:name`` for each table written."""
     done, seen = [], set()
     for page in pages():
         text = page.read_text()
-
-        def fill(m: re.Match) -> str:
-            name = m.group(2)
-            body = _body(name) if not names or name in names else None
-            if body is None:
-                return m.group(0)
-            seen.add(name)
-            done.append(f"{page.relative_to(ROOT)}:{name}")
-            return m.group(1) + body + m.group(3)
-
-        new = _MARKER.sub(fill, text)
+        new, written = fill(text, names)
         if new != text:
             page.write_text(new)
+        seen.update(written)
+        done += [f"{page.relative_to(ROOT)}:{name}" for name in written]
     for md in sorted(RESULTS.glob("*.md")):
         if md.stem not in seen and (not names or md.stem in names):
             print(f"no page has <!-- perf:{md.stem} --> markers; skipped", file=sys.stderr)

@@ -201,3 +201,23 @@ def test_links_resolve():
                 heads = re.findall(r"^#+ (.*)$", dest.read_text(), flags=re.M)
                 assert anchor in {_anchor(h) for h in heads}, \
                     f"{page.name}: link to {target!r}: {dest.name} has no such heading"
+
+
+def test_tables_are_generated_from_perf_results():
+    """Every table between perf markers is what perf/update_readme.py makes from the results
+    (so none is typed or edited by hand), and every benchmark's table appears on some page."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("update_readme", ROOT / "perf" / "update_readme.py")
+    upd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(upd)
+    seen = set()
+    for page in upd.pages():
+        text = page.read_text()
+        filled, written = upd.fill(text)
+        assert filled == text, (f"{page.name}: a perf table differs from perf/results; "
+                                "run python perf/update_readme.py")
+        seen.update(written)
+    assert "headline" in seen
+    missing = {md.stem for md in (ROOT / "perf" / "results").glob("*.md")} - seen
+    assert not missing, f"no page shows the perf tables {sorted(missing)}"
