@@ -253,3 +253,25 @@ def test_clip_grad_norm_equals_torch_on_dense_equivalent(dist_run):
     for n in results[0][2.0][2]:
         if ".experts." not in n:  # dense gradients, clipped: the same bits on every rank
             assert torch.equal(results[1][2.0][2][n][0], results[0][2.0][2][n][0]), n
+
+
+def _progress_marks_on_replica_groups():
+    """Two reducers' guards on the two replica groups {0, 2} and {1, 3}; rank 3 is behind."""
+    import datetime
+
+    from tribucket._watchdog import CommGuard
+
+    _, replicas = expert_data_parallel_groups(2)
+    guard = CommGuard(replicas, dist.get_rank(replicas), 2, torch.device("cpu"),
+                      datetime.timedelta(seconds=30), False)
+    if dist.get_rank() != 3:
+        guard.mark_progress(5)
+    dist.barrier()
+    return guard._who_is_behind(5)
+
+
+@pytest.mark.dist
+def test_progress_marks_of_replica_groups_do_not_collide(dist_run):
+    results = dist_run(_progress_marks_on_replica_groups, world_size=4, timeout=60)
+    assert "rank 3 (last started backward never)" in results[1], results[1]
+    assert "Every rank reached this iteration" in results[0], results[0]
