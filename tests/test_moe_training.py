@@ -11,6 +11,7 @@ optimizer; the distributed run must end with the same parameters.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -58,8 +59,8 @@ class _DenseMoE(nn.Module):
         return y_TD
 
 
-def _data(seed: int, rank: int, step: int):
-    g = torch.Generator().manual_seed(seed * 1000 + rank * 10 + step)
+def _data(seed: int, rank: int, step: int, micro: int = 0):
+    g = torch.Generator().manual_seed(seed * 1000 + rank * 10 + step + 100 * micro)
     T = 7 + 3 * rank  # uneven tokens per rank: each rank's loss is the mean over its own
     return torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
 
@@ -69,6 +70,7 @@ def _train_worker(case):
     rank, world = dist.get_rank(), dist.get_world_size()
     ep_size, L, seed, steps, max_norm = (case["ep_size"], case["L"], case["seed"],
                                          case["steps"], case["max_norm"])
+    micros = case.get("accumulate", 1)  # micro-batches per step, all but the last in no_sync
     E = ep_size * L
     ep, replicas = expert_data_parallel_groups(ep_size)
     torch.manual_seed(seed)
@@ -90,22 +92,25 @@ def _train_worker(case):
     with tribucket.fused_bucketing(model) as reducer:
         n_expert_reducers = len(reducer.expert_reducers)
         for step in range(steps):
-            x, t = _data(seed, rank, step)
-            loss = nn.functional.mse_loss(model(x), t) + aux_losses(model)
-            loss.backward()
+            for micro in range(micros):
+                x, t = _data(seed, rank, step, micro)
+                with reducer.no_sync() if micro < micros - 1 else contextlib.nullcontext():
+                    (nn.functional.mse_loss(model(x), t) + aux_losses(model)).backward()
             if max_norm is not None:
                 norms.append(tribucket.clip_grad_norm_(model, max_norm))
             opt.step()
             opt.zero_grad()
+    synced = [r.stats.iterations for r in [reducer, *reducer.expert_reducers]]
 
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
     ref_norms = []
     for step in range(steps):
-        total = 0.0
-        for r in range(world):
-            x, t = _data(seed, r, step)
-            total = total + nn.functional.mse_loss(ref(x), t) + ref.moe.aux
-        (total / world).backward()
+        for micro in range(micros):
+            total = 0.0
+            for r in range(world):
+                x, t = _data(seed, r, step, micro)
+                total = total + nn.functional.mse_loss(ref(x), t) + ref.moe.aux
+            (total / world).backward()
         if max_norm is not None:
             ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm))
         ref_opt.step()
@@ -120,7 +125,8 @@ def _train_worker(case):
     assert sorted(got) == sorted(want), (sorted(got), sorted(want))
     return {"got": {n: p.detach().clone() for n, p in got.items()},
             "want": {n: p.detach().clone() for n, p in want.items()},
-            "norms": norms, "ref_norms": ref_norms, "expert_reducers": n_expert_reducers}
+            "norms": norms, "ref_norms": ref_norms, "expert_reducers": n_expert_reducers,
+            "synced": synced}
 
 
 def _check_training(results, case):
@@ -129,6 +135,8 @@ def _check_training(results, case):
             torch.testing.assert_close(p, out["want"][n], atol=2e-5, rtol=1e-4,
                                        msg=lambda m: f"rank {rank} {n} after training: {m}")
         assert out["expert_reducers"] == (1 if case["ep_size"] < len(results) else 0)
+        # no_sync holds back every reducer, the experts' included: one sync per step
+        assert out["synced"] == [case["steps"]] * (1 + out["expert_reducers"]), out["synced"]
         if case["max_norm"] is not None:
             torch.testing.assert_close(torch.stack(out["norms"]), torch.stack(out["ref_norms"]),
                                        atol=1e-5, rtol=1e-5)
@@ -146,6 +154,8 @@ CASES = {
     "ep2xdp2_clip": dict(ep_size=2, L=2, seed=3, steps=3, max_norm=0.15),
     # pure expert parallelism over the world: the default scale alone makes the mean
     "ep4": dict(ep_size=4, L=1, seed=4, steps=2, max_norm=None),
+    # gradient accumulation: 2 micro-batches per step, the first under reducer.no_sync()
+    "ep2xdp2_accumulate": dict(ep_size=2, L=1, seed=5, steps=2, max_norm=None, accumulate=2),
 }
 
 

@@ -176,10 +176,15 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the next backward outside reduces their sum."""
+        """Accumulate gradients locally; the next backward outside reduces their sum.
+
+        It holds back the expert reducers too (their replicas sync with the rest)."""
         old, self._sync_enabled = self._sync_enabled, False
         try:
-            yield
+            with contextlib.ExitStack() as experts:
+                for r in self.expert_reducers:
+                    experts.enter_context(r.no_sync())
+                yield
         finally:
             self._sync_enabled = old
 
