@@ -98,8 +98,15 @@ class MoELayer(nn.Module):
 
     ``stats`` (:class:`MoEStats`) describes the last forward's routing. ``backend`` picks the
     token kernels (``"auto"``: Triton on CUDA, PyTorch on CPU). Every rank of ``group`` must
-    call forward and backward in the same order; an expert that raises or returns a wrong
-    shape makes every rank raise (see :class:`MoEDispatcher`). Experts are called on every
+    call forward and backward in the same order (to evaluate on some ranks only, use
+    :func:`~tribucket.moe.gathered_experts`); bad input on one rank (``x``'s last dimension,
+    the router's output, expert ids) or an expert that raises or returns a wrong shape
+    makes every rank raise (the flag rides on the first collective; see
+    :class:`MoEDispatcher`). ``timeout`` (a ``datetime.timedelta``) runs the layer's
+    collectives on a group with that timeout, and a stalled or dead peer then raises a
+    ``RuntimeError`` naming the layer (``name``, default ``#k`` for the k-th layer built),
+    the phase (counts, dispatch, combine, backward) and the ranks behind, instead of
+    blocking for the process group's timeout. Experts are called on every
     forward, with zero rows when no token reached them (``schedule="alltoall"``; the pairwise
     schedule skips empty calls).
 
