@@ -56,7 +56,8 @@ class MoEGuard:
                                                        else dist.group.WORLD)
         if timeout is not None and world > 1:
             key = (tuple(self._ranks), timeout)
-            if key not in _TIMED_GROUPS:
+            known = dist.distributed_c10d._world.pg_map  # (destroy_process_group empties it)
+            if key not in _TIMED_GROUPS or _TIMED_GROUPS[key] not in known:
                 _TIMED_GROUPS[key] = dist.new_group(self._ranks, timeout=timeout,
                                                     use_local_synchronization=True)
             self.group = _TIMED_GROUPS[key]
