@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import tribucket
 from tribucket.moe import MoELayer, aux_losses, expert_data_parallel_groups
@@ -91,6 +92,8 @@ def _train_worker(case):
     norms = []
     with tribucket.fused_bucketing(model) as reducer:
         n_expert_reducers = len(reducer.expert_reducers)
+        if case.get("expert_hook"):  # torch's own hook, given the replica group, on the experts
+            reducer.expert_reducers[0].register_comm_hook(replicas, default_hooks.allreduce_hook)
         for step in range(steps):
             for micro in range(micros):
                 x, t = _data(seed, rank, step, micro)
@@ -154,8 +157,10 @@ CASES = {
     "ep2xdp2_clip": dict(ep_size=2, L=2, seed=3, steps=3, max_norm=0.15),
     # pure expert parallelism over the world: the default scale alone makes the mean
     "ep4": dict(ep_size=4, L=1, seed=4, steps=2, max_norm=None),
-    # gradient accumulation: 2 micro-batches per step, the first under reducer.no_sync()
-    "ep2xdp2_accumulate": dict(ep_size=2, L=1, seed=5, steps=2, max_norm=None, accumulate=2),
+    # gradient accumulation: 2 micro-batches per step, the first under reducer.no_sync();
+    # the experts' buckets go through torch's allreduce_hook on the replica group
+    "ep2xdp2_accumulate_hook": dict(ep_size=2, L=1, seed=5, steps=2, max_norm=None,
+                                    accumulate=2, expert_hook=True),
 }
 
 
