@@ -290,3 +290,17 @@ def test_progress_marks_of_replica_groups_do_not_collide(dist_run):
     results = dist_run(_progress_marks_on_replica_groups, world_size=4, timeout=60)
     assert "rank 3 (last started backward never)" in results[1], results[1]
     assert "Every rank reached this iteration" in results[0], results[0]
+
+
+def _ep_size_differs():
+    try:
+        expert_data_parallel_groups(1 if dist.get_rank() == 0 else 2)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.dist
+def test_ep_size_must_agree_across_ranks(dist_run):
+    for message in dist_run(_ep_size_differs, world_size=2, timeout=30, teardown=True):
+        assert message is not None and "ep_size: 1 on rank 0, 2 on rank 1" in message, message

@@ -23,6 +23,9 @@ __all__ = ["aux_losses", "expert_data_parallel_groups", "gathered_experts"]
 def expert_data_parallel_groups(ep_size: int):
     """``(ep_group, replica_group)`` of this rank, for ``MoELayer(group=, replica_group=)``.
 
+    One all-gather first checks that every rank passed the same ``ep_size`` (a ValueError on
+    every rank otherwise: the group creation that follows must match across ranks).
+
     Every rank must call it, in the same place (it creates every group, in one order, as
     ``dist.new_group`` requires). ``replica_group`` is None when ``ep_size`` is the world
     size (no expert has replicas).
@@ -38,6 +41,11 @@ def expert_data_parallel_groups(ep_size: int):
         raise RuntimeError("expert_data_parallel_groups needs torch.distributed: call "
                            "dist.init_process_group(...) first")
     world, rank = dist.get_world_size(), dist.get_rank()
+    every: list = [None] * world
+    dist.all_gather_object(every, ep_size)  # the new_group calls must match: agree first
+    if len(set(map(repr, every))) > 1:
+        raise ValueError("expert_data_parallel_groups needs the same ep_size on every rank, got "
+                         "ep_size: " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(every)))
     if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1 \
             or world % ep_size:
         raise ValueError(f"ep_size={ep_size!r} must be a positive int dividing the world size "
