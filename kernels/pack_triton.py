@@ -39,6 +39,9 @@ except Exception as e:  # noqa: BLE001 - a broken triton install must not break 
 #: one mostly-masked program. Tables are int64 so no index arithmetic overflows at 2**31.
 BLOCK = 4096
 _NUM_WARPS = 4
+#: Bytes of the widest global access (``ld/st.global.v4.b32``): the aligned kernels promise
+#: the compiler that every tensor and slice starts on a multiple of this.
+_VEC_BYTES = 16
 
 
 # ---------------------------------------------------------------------------------------
@@ -74,13 +77,36 @@ def _cast(v, DST: tl.constexpr):
 
 
 @_jit
-def _this_block(ptrs, sizes, offsets, block_tensor, block_start, BLOCK: tl.constexpr):
+def _this_block(ptrs, sizes, offsets, block_tensor, block_start, BLOCK: tl.constexpr,
+                ALIGN: tl.constexpr):
     """This program's element indices (int64, inside its tensor) and its tensor's size,
-    bucket offset and address: the block->tensor map lookup both kernels start with."""
+    bucket offset and address: the block->tensor map lookup both kernels start with.
+
+    With ``ALIGN > 1`` the host has checked that every size and offset is a multiple of
+    ALIGN elements (and every address of 16 bytes, see ``_aligned``): the hints pass that on
+    to the compiler. A block starts at a multiple of BLOCK inside its tensor whatever ALIGN.
+    """
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(block_tensor + pid).to(tl.int64)
-    idx = tl.load(block_start + pid) + tl.arange(0, BLOCK).to(tl.int64)
-    return idx, tl.load(sizes + t), tl.load(offsets + t), tl.load(ptrs + t)
+    start = tl.multiple_of(tl.load(block_start + pid), BLOCK)
+    idx = start + tl.arange(0, BLOCK).to(tl.int64)
+    n = tl.load(sizes + t)
+    off = tl.load(offsets + t)
+    if ALIGN > 1:
+        n = tl.multiple_of(n, ALIGN)
+        off = tl.multiple_of(off, ALIGN)
+    return idx, n, off, tl.load(ptrs + t)
+
+
+@_jit
+def _aligned(p, ALIGN: tl.constexpr):
+    """Pointers ``p`` (runs of contiguous elements) with the promise that each run starts on a
+    16-byte boundary when ``ALIGN > 1``. An address loaded from a table carries no alignment
+    the compiler can see; without this every element is its own 8/16/32-bit access, with it
+    a thread's 16 contiguous bytes are one ``ld/st.global.v4.b32``."""
+    if ALIGN > 1:
+        p = tl.multiple_of(p, 16)
+    return p
 
 
 @_jit
@@ -98,6 +124,7 @@ def _pack_kernel(
     COPY: tl.constexpr,   # store the loaded bits unchanged (SRC == DST, scale 1)
     CHECK: tl.constexpr,  # update found_inf
     BLOCK: tl.constexpr,
+    ALIGN: tl.constexpr,  # 1, or the elements every size and offset is a multiple of (host-checked)
 ):
     """out[offsets[t] + i] = cast(src_t[i] * scale) for every tensor t, one block per program.
 
@@ -108,11 +135,12 @@ def _pack_kernel(
     Bytes: reads sum(n_t) * SRC bytes, writes sum(n_t) * DST bytes (+ 12 per program and
     24 per tensor of table reads).
     """
-    idx, n, dst_off, addr = _this_block(src_ptrs, sizes, offsets, block_tensor, block_start, BLOCK)
+    idx, n, dst_off, addr = _this_block(src_ptrs, sizes, offsets, block_tensor, block_start,
+                                        BLOCK, ALIGN)
     src = addr.to(tl.pointer_type(SRC))
     mask = idx < n
     present = idx < tl.where(addr != 0, n, 0)  # a null source reads as zeros
-    x = tl.load(src + idx, mask=present, other=0)
+    x = tl.load(_aligned(src + idx, ALIGN), mask=present, other=0)
     if COPY:
         y = x
     else:
@@ -141,6 +169,7 @@ def _unpack_kernel(
     COPY: tl.constexpr,        # store the loaded bits unchanged (BUF == DST, scale 1)
     ACCUMULATE: tl.constexpr,  # dst = cast(dst + buffer * scale) instead of cast(buffer * scale)
     BLOCK: tl.constexpr,
+    ALIGN: tl.constexpr,  # 1, or the elements every size and offset is a multiple of (host-checked)
 ):
     """dst_t[i] = cast(buffer[offsets[t] + i] * scale) (+ dst_t[i] if ACCUMULATE).
 
@@ -150,8 +179,9 @@ def _unpack_kernel(
     Bytes: reads sum(n_t) * BUF bytes (+ sum(n_t) * DST if ACCUMULATE), writes
     sum(n_t) * DST bytes.
     """
-    idx, n, src_off, addr = _this_block(dst_ptrs, sizes, offsets, block_tensor, block_start, BLOCK)
-    dst = addr.to(tl.pointer_type(DST))
+    idx, n, src_off, addr = _this_block(dst_ptrs, sizes, offsets, block_tensor, block_start,
+                                        BLOCK, ALIGN)
+    dst = _aligned(addr.to(tl.pointer_type(DST)) + idx, ALIGN)
     mask = idx < tl.where(addr != 0, n, 0)  # a null destination is skipped
     x = tl.load(buffer + src_off + idx, mask=mask, other=0)
     if COPY:
@@ -160,9 +190,9 @@ def _unpack_kernel(
         v = x.to(tl.float32) * scale
         if ACCUMULATE:
             # the product is rounded to fp32 before the add (enable_fp_fusion=False below)
-            v = tl.load(dst + idx, mask=mask, other=0).to(tl.float32) + v
+            v = tl.load(dst, mask=mask, other=0).to(tl.float32) + v
         y = _cast(v, DST)
-    tl.store(dst + idx, y, mask=mask)
+    tl.store(dst, y, mask=mask)
 
 
 def _interpreting_kernels() -> bool:
@@ -194,8 +224,12 @@ class _TritonTables:
         self.idx = idx
         self.getter = _getter(idx)
         sz = [sizes[i] for i in idx]
+        off = [offsets[i] for i in idx]
         self.sizes = torch.tensor(sz, dtype=torch.int64, device=device)
-        self.offsets = torch.tensor([offsets[i] for i in idx], dtype=torch.int64, device=device)
+        self.offsets = torch.tensor(off, dtype=torch.int64, device=device)
+        # the vector widths (in elements) every size and offset allows: 2, 4, 8, 16 or none
+        self._aligns = {v for v in (2, 4, 8, 16)
+                        if all(x % v == 0 for x in sz) and all(x % v == 0 for x in off)}
         bt, bs = _block_map(sz, BLOCK)
         self.block_tensor = bt.to(device)
         self.block_start = bs.to(device)
@@ -203,6 +237,7 @@ class _TritonTables:
         self.device = device
         self._ptr_key: tuple[int, ...] | None = None
         self._ptrs: torch.Tensor | None = None
+        self._ptrs_aligned = False  # every data_ptr() in _ptr_key is a multiple of 16
 
     def pointers(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """The int64 pointer table, rebuilt only when the data_ptr()s change."""
@@ -213,7 +248,23 @@ class _TritonTables:
                 host = host.pin_memory()
             self._ptrs = host.to(self.device, non_blocking=True)
             self._ptr_key = key
+            self._ptrs_aligned = all(p % _VEC_BYTES == 0 for p in key)
         return self._ptrs
+
+    def align(self, buf: torch.Tensor, elem_bytes: int) -> int:
+        """``ALIGN`` for a launch on the pointers last returned by ``pointers()``.
+
+        ``16 // elem_bytes`` (elements of the narrower of the two dtypes in 16 bytes) when
+        ``buf`` and every tensor start on a 16-byte boundary and every size and offset is a
+        multiple of that many elements, so every thread's 16 contiguous bytes can move as
+        one access; 1 (the scalar kernel) otherwise. E.g. fp32 sizes [1024, 12] at offsets
+        [0, 1024] -> 4; sizes [1024, 10] -> 1.
+        """
+        vec = _VEC_BYTES // elem_bytes
+        if (vec in self._aligns and self._ptrs_aligned
+                and buf.data_ptr() % _VEC_BYTES == 0):
+            return vec
+        return 1
 
 
 _TL_DTYPES: dict = {}
@@ -277,15 +328,17 @@ class _TritonPath:
                 args = (out, _TL_DTYPES[s], _TL_DTYPES[o], False)
             else:
                 return False  # float64 arithmetic: the torch path
-            launches.append((tab, *args))
-        for tab, dst, src_t, dst_t, copy in launches:
+            launches.append((tab, min(s.itemsize, out.element_size()), *args))
+        for tab, elem_bytes, dst, src_t, dst_t, copy in launches:
             if tab.nblocks == 0:
                 continue
+            ptrs = tab.pointers(tensors)
             _pack_kernel[(tab.nblocks,)](
-                tab.pointers(tensors), tab.sizes, tab.offsets, tab.block_tensor,
+                ptrs, tab.sizes, tab.offsets, tab.block_tensor,
                 tab.block_start, dst, tab.sizes if found_inf is None else found_inf, scale,
                 SRC=src_t, DST=dst_t, COPY=copy, CHECK=found_inf is not None,
-                BLOCK=BLOCK, num_warps=_NUM_WARPS, enable_fp_fusion=False)
+                BLOCK=BLOCK, ALIGN=tab.align(out, elem_bytes), num_warps=_NUM_WARPS,
+                enable_fp_fusion=False)
         return True
 
     def _unpack_triton(self, buffer, tensors, scale, accumulate, dtypes) -> bool:
@@ -304,12 +357,14 @@ class _TritonPath:
                 args = (buffer, _TL_DTYPES[d], False)
             else:
                 return False
-            launches.append((tab, *args))
-        for tab, buf, dst_t, copy in launches:
+            launches.append((tab, min(d.itemsize, buffer.element_size()), *args))
+        for tab, elem_bytes, buf, dst_t, copy in launches:
             if tab.nblocks == 0:
                 continue
+            ptrs = tab.pointers(tensors)
             _unpack_kernel[(tab.nblocks,)](
-                tab.pointers(tensors), tab.sizes, tab.offsets, tab.block_tensor,
+                ptrs, tab.sizes, tab.offsets, tab.block_tensor,
                 tab.block_start, buf, scale, DST=dst_t, COPY=copy, ACCUMULATE=accumulate,
-                BLOCK=BLOCK, num_warps=_NUM_WARPS, enable_fp_fusion=False)
+                BLOCK=BLOCK, ALIGN=tab.align(buffer, elem_bytes), num_warps=_NUM_WARPS,
+                enable_fp_fusion=False)
         return True
