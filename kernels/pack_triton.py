@@ -83,8 +83,12 @@ def _this_block(ptrs, sizes, offsets, block_tensor, block_start, BLOCK: tl.const
     bucket offset and address: the block->tensor map lookup both kernels start with.
 
     With ``ALIGN > 1`` the host has checked that every size and offset is a multiple of
-    ALIGN elements (and every address of 16 bytes, see ``_aligned``): the hints pass that on
-    to the compiler. A block starts at a multiple of BLOCK inside its tensor whatever ALIGN.
+    ALIGN elements and every address of 16 bytes (``_TritonTables.align``): the hints pass
+    that on to the compiler, the kernels add the one on the addresses, so that a thread's
+    16 contiguous bytes move as one ``ld/st.global.v4.b32`` instead of one access per
+    element. (A hint on a jit function's argument is dropped: it must sit on a value
+    computed in the function.) A block starts at a multiple of BLOCK inside its tensor
+    whatever ALIGN is.
     """
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(block_tensor + pid).to(tl.int64)
@@ -96,17 +100,6 @@ def _this_block(ptrs, sizes, offsets, block_tensor, block_start, BLOCK: tl.const
         n = tl.multiple_of(n, ALIGN)
         off = tl.multiple_of(off, ALIGN)
     return idx, n, off, tl.load(ptrs + t)
-
-
-@_jit
-def _aligned(p, ALIGN: tl.constexpr):
-    """Pointers ``p`` (runs of contiguous elements) with the promise that each run starts on a
-    16-byte boundary when ``ALIGN > 1``. An address loaded from a table carries no alignment
-    the compiler can see; without this every element is its own 8/16/32-bit access, with it
-    a thread's 16 contiguous bytes are one ``ld/st.global.v4.b32``."""
-    if ALIGN > 1:
-        p = tl.multiple_of(p, 16)
-    return p
 
 
 @_jit
@@ -140,7 +133,10 @@ def _pack_kernel(
     src = addr.to(tl.pointer_type(SRC))
     mask = idx < n
     present = idx < tl.where(addr != 0, n, 0)  # a null source reads as zeros
-    x = tl.load(_aligned(src + idx, ALIGN), mask=present, other=0)
+    src_p = src + idx
+    if ALIGN > 1:  # an address loaded from a table carries no alignment the compiler sees
+        src_p = tl.multiple_of(src_p, 16)  # _VEC_BYTES
+    x = tl.load(src_p, mask=present, other=0)
     if COPY:
         y = x
     else:
@@ -181,7 +177,9 @@ def _unpack_kernel(
     """
     idx, n, src_off, addr = _this_block(dst_ptrs, sizes, offsets, block_tensor, block_start,
                                         BLOCK, ALIGN)
-    dst = _aligned(addr.to(tl.pointer_type(DST)) + idx, ALIGN)
+    dst = addr.to(tl.pointer_type(DST)) + idx
+    if ALIGN > 1:  # (see _pack_kernel)
+        dst = tl.multiple_of(dst, 16)  # _VEC_BYTES
     mask = idx < tl.where(addr != 0, n, 0)  # a null destination is skipped
     x = tl.load(buffer + src_off + idx, mask=mask, other=0)
     if COPY:
