@@ -77,6 +77,8 @@ _COUNTS_BLOCK = 1024
 #: thread with 4 warps; rows longer than this take several programs (or loop iterations)
 _BLOCK_D = 512
 _BACKENDS = ("auto", "triton", "reference")
+#: dtypes of the token rows the kernels move
+_ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------
@@ -252,7 +254,7 @@ def _check_dest(dest_TK: torch.Tensor, num_tokens: int, device: torch.device) ->
 def _check_rows(name: str, t: torch.Tensor) -> None:
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D [rows, D], got shape {tuple(t.shape)}")
-    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if t.dtype not in _ROW_DTYPES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
 
 

@@ -280,6 +280,40 @@ _TRITON_ARITH = (torch.float32, torch.float16, torch.bfloat16)
 # ---------------------------------------------------------------------------------------
 # Launches
 # ---------------------------------------------------------------------------------------
+def _pack_variant(src: torch.dtype, out: torch.dtype, copy: bool, check: bool):
+    """How ``_pack_kernel`` packs ``src`` tensors into an ``out`` buffer:
+    ``(view out as, SRC, DST, COPY)`` in torch dtypes, or None for the torch path.
+
+    ``copy``: same dtype and scale 1; ``check``: found_inf is given. A copy moves the bits
+    as the signed integer of the element's size (any dtype of 1-8 bytes), unless it must
+    look at the values for inf/NaN. E.g. (bfloat16, bfloat16, copy, no check) ->
+    (int16, int16, int16, True). ``kernels/machine_code.py`` enumerates the kernel
+    specializations the launches can produce from this function.
+    """
+    check = check and out.is_floating_point  # an integer buffer holds no inf/NaN
+    if copy and not (check and out in _TL_DTYPES):
+        bits = _BITS.get(out.itemsize)
+        return None if bits is None else (bits, bits, bits, True)
+    if copy:  # a float copy that checks for inf/NaN: load the real dtype
+        return (out, out, out, True)
+    if src in _TRITON_ARITH and out in _TRITON_ARITH:
+        return (out, src, out, False)
+    return None
+
+
+def _unpack_variant(dst: torch.dtype, buf: torch.dtype, copy: bool):
+    """How ``_unpack_kernel`` unpacks a ``buf`` buffer into ``dst`` tensors:
+    ``(view buffer as, DST, COPY)`` in torch dtypes, or None for the torch path.
+    E.g. (float32, float32, copy) -> (int32, int32, True); (float16, float32) ->
+    (float32, float16, False)."""
+    if copy:
+        bits = _BITS.get(buf.itemsize)
+        return None if bits is None else (bits, bits, True)
+    if dst in _TRITON_ARITH and buf in _TRITON_ARITH:
+        return (buf, dst, False)
+    return None
+
+
 class _TritonPath:
     """``BucketPlan``'s Triton path, mixed into the plan (``kernels/pack.py``).
 
@@ -310,23 +344,15 @@ class _TritonPath:
 
     def _pack_triton(self, tensors, out, scale, found_inf, dtypes) -> bool:
         o = out.dtype
-        groups = self._dtype_groups(tensors, dtypes)
         launches = []
-        for s, tab in groups:
+        for s, tab in self._dtype_groups(tensors, dtypes):
             s = o if s is None else s
-            copy = s == o and scale == 1.0
-            if copy and (found_inf is None or o not in _TL_DTYPES):
-                if out.element_size() not in _BITS:
-                    return False  # e.g. complex128: the torch path copies it
-                bits = _BITS[out.element_size()]
-                args = (out.view(bits), _TL_DTYPES[bits], _TL_DTYPES[bits], True)
-            elif copy:  # a float copy that checks for inf/NaN: load the real dtype
-                args = (out, _TL_DTYPES[o], _TL_DTYPES[o], True)
-            elif s in _TRITON_ARITH and o in _TRITON_ARITH:
-                args = (out, _TL_DTYPES[s], _TL_DTYPES[o], False)
-            else:
-                return False  # float64 arithmetic: the torch path
-            launches.append((tab, min(s.itemsize, out.element_size()), *args))
+            v = _pack_variant(s, o, s == o and scale == 1.0, found_inf is not None)
+            if v is None:
+                return False  # float64 arithmetic, 16-byte copies: the torch path
+            view, src_t, dst_t, copy = v
+            launches.append((tab, min(src_t.itemsize, dst_t.itemsize), out.view(view),
+                             _TL_DTYPES[src_t], _TL_DTYPES[dst_t], copy))
         for tab, elem_bytes, dst, src_t, dst_t, copy in launches:
             if tab.nblocks == 0:
                 continue
@@ -345,17 +371,12 @@ class _TritonPath:
         for d, tab in self._dtype_groups(tensors, dtypes):
             if d is None:
                 continue  # nothing but None tensors: nothing to write
-            copy = d == b and scale == 1.0 and not accumulate
-            if copy:
-                if buffer.element_size() not in _BITS:
-                    return False
-                bits = _BITS[buffer.element_size()]
-                args = (buffer.view(bits), _TL_DTYPES[bits], True)
-            elif d in _TRITON_ARITH and b in _TRITON_ARITH:
-                args = (buffer, _TL_DTYPES[d], False)
-            else:
+            v = _unpack_variant(d, b, d == b and scale == 1.0 and not accumulate)
+            if v is None:
                 return False
-            launches.append((tab, min(d.itemsize, buffer.element_size()), *args))
+            view, dst_t, copy = v
+            launches.append((tab, min(view.itemsize, dst_t.itemsize), buffer.view(view),
+                             _TL_DTYPES[dst_t], copy))
         for tab, elem_bytes, buf, dst_t, copy in launches:
             if tab.nblocks == 0:
                 continue
