@@ -236,8 +236,11 @@ def _nvidia_tool(name: str) -> str:
     return os.path.join(os.path.dirname(nv.__file__), "bin", name)
 
 
-def _compile_one(spec: Spec, cc: int) -> dict:
-    """Compile ``spec`` for sm_``cc`` in this process (kernels must not be interpreted)."""
+def _compile_one(spec: Spec, cc: int, sass: bool = False) -> dict:
+    """Compile ``spec`` for sm_``cc`` in this process (kernels must not be interpreted).
+
+    ``sass``: also disassemble the cubin (``cuobjdump -sass``, ~0.4 s of CPU a kernel, more
+    than the compile; the resource usage alone costs ~10 ms)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -260,11 +263,11 @@ def _compile_one(spec: Spec, cc: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        dump = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", "-sass", f.name],
-                              check=True, capture_output=True, text=True).stdout
+        dump = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", *(["-sass"] * sass),
+                               f.name], check=True, capture_output=True, text=True).stdout
     reg, stack, shared, local = map(int, _RESOURCES.search(dump).groups())
     sass_lines = [ln for ln in dump.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", ln)]
-    return {
+    record = {
         "kernel": spec.kernel, "label": spec.label, "target": f"sm_{cc}",
         "constexprs": dict(spec.constexprs), "signature": dict(spec.signature),
         "align": spec.align,
@@ -272,40 +275,45 @@ def _compile_one(spec: Spec, cc: int) -> dict:
         "local_bytes": local, "spilled": stack > 0 or local > 0,
         "shared_bytes": max(shared, kernel.metadata.shared),
         "ptx": count_accesses(kernel.asm["ptx"]),
-        "sass": count_accesses("\n".join(sass_lines), sass=True),
-        "sass_instructions": len(sass_lines), "compile_s": round(seconds, 3),
+        "ptx_instructions": sum(1 for ln in map(str.strip, kernel.asm["ptx"].splitlines())
+                                if ln.endswith(";") and not ln.startswith((".", "//"))),
+        "compile_s": round(seconds, 3),
     }
+    if sass:
+        record["sass"] = count_accesses("\n".join(sass_lines), sass=True)
+        record["sass_instructions"] = len(sass_lines)
+    return record
 
 
 def _compile_share(args) -> list[dict]:
-    specs, targets, share, jobs = args
+    specs, targets, sass, share, jobs = args
     jobs_list = [(s, cc) for cc in targets for s in specs]
-    return [_compile_one(s, cc) for s, cc in jobs_list[share::jobs]]
+    return [_compile_one(s, cc, sass) for s, cc in jobs_list[share::jobs]]
 
 
-def _compile_here(specs, targets, jobs: int = 1) -> list[dict]:
+def _compile_here(specs, targets, jobs: int = 1, sass: bool = False) -> list[dict]:
     """Compile in this process, or in ``jobs`` worker processes (each takes every
     ``jobs``-th compile); records in (target, spec) order either way."""
     if _pt._interpreting_kernels():
         raise RuntimeError("the kernels were defined under TRITON_INTERPRET=1: compile in a "
                            "process without it (compile_all does this for you)")
     if jobs <= 1:
-        return _compile_share((specs, targets, 0, 1))
+        return _compile_share((specs, targets, sass, 0, 1))
     import multiprocessing as mp
 
     with mp.get_context("spawn").Pool(jobs) as pool:
-        shares = pool.map(_compile_share, [(specs, targets, i, jobs) for i in range(jobs)])
+        shares = pool.map(_compile_share, [(specs, targets, sass, i, jobs) for i in range(jobs)])
     n = len(specs) * len(targets)
     return [shares[i % jobs][i // jobs] for i in range(n)]
 
 
-def _cache_key(targets) -> str:
+def _cache_key(targets, sass) -> str:
     import triton
 
     h = hashlib.sha256()
     for mod in (_pt, _moe, sys.modules[__name__]):
         h.update(Path(mod.__file__).read_bytes())
-    h.update(f"{triton.__version__} {tuple(targets)}".encode())
+    h.update(f"{triton.__version__} {tuple(targets)} {sass}".encode())
     return h.hexdigest()[:24]
 
 
@@ -315,14 +323,15 @@ def _cache_dir() -> Path:
     return Path(base) / "machine_code"
 
 
-def compile_all(targets=TARGETS, *, use_cache: bool = True, jobs: int | None = None) -> list[dict]:
+def compile_all(targets=TARGETS, *, sass: bool = False, use_cache: bool = True,
+                jobs: int | None = None) -> list[dict]:
     """One record per (specialization, target), from the disk cache when the kernel sources
     are unchanged. Compiles in a subprocess without ``TRITON_INTERPRET`` when this process
     defined the kernels under the interpreter, with ``jobs`` worker processes (default: the
-    CPU count)."""
+    CPU count). ``sass`` adds the SASS access counts (several times the compile's cost)."""
     jobs = jobs or os.cpu_count() or 1
     targets = tuple(targets)
-    path = _cache_dir() / f"{_cache_key(targets)}.json"
+    path = _cache_dir() / f"{_cache_key(targets, sass)}.json"
     if use_cache and path.exists():
         return json.loads(path.read_text())
     if _pt._interpreting_kernels():
@@ -333,7 +342,8 @@ def compile_all(targets=TARGETS, *, use_cache: bool = True, jobs: int | None = N
         try:
             proc = subprocess.run(
                 [sys.executable, "-m", __name__, "--out", tmp, "--jobs", str(jobs),
-                 "--targets", *map(str, targets)], env=env, capture_output=True, text=True)
+                 *(["--sass"] * sass), "--targets", *map(str, targets)],
+                env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"compiling the kernels failed (exit {proc.returncode}):\n"
                                    f"{proc.stderr[-4000:]}")
@@ -341,7 +351,7 @@ def compile_all(targets=TARGETS, *, use_cache: bool = True, jobs: int | None = N
         finally:
             Path(tmp).unlink(missing_ok=True)
     else:
-        records = _compile_here(specializations(), targets, jobs)
+        records = _compile_here(specializations(), targets, jobs, sass)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -356,8 +366,9 @@ def _main(argv=None) -> None:
     ap.add_argument("--targets", nargs="+", type=int, default=list(TARGETS))
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="worker processes (default: the CPU count)")
+    ap.add_argument("--sass", action="store_true", help="also count the SASS accesses")
     args = ap.parse_args(argv)
-    records = _compile_here(specializations(), args.targets, args.jobs)
+    records = _compile_here(specializations(), args.targets, args.jobs, args.sass)
     text = json.dumps(records)
     if args.out:
         Path(args.out).write_text(text)
