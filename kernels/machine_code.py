@@ -162,25 +162,25 @@ def _moe_specs() -> list[Spec]:
         for K in MOE_KS:
             for align in (1, vec):
                 rows = align > 1  # the scalar form: row tensors taken as unaligned
-                specs.append(_row_spec("_permute_kernel", (
+                specs.append(_row_spec(dtype, "_permute_kernel", (
                     ("x_ptr", x, rows), ("dest_ptr", "*i64", True), ("out_ptr", x, rows)),
                     (("K", K),), align))
                 for has_w in (False, True):
-                    specs.append(_row_spec("_unpermute_kernel", (
+                    specs.append(_row_spec(dtype, "_unpermute_kernel", (
                         ("rows_ptr", x, rows), ("dest_ptr", "*i64", True),
                         ("w_ptr", "*fp32" if has_w else "*i64", True), ("y_ptr", x, rows)),
                         (("K", K), ("HAS_W", has_w)), align))
-                specs.append(_row_spec("_unpermute_bwd_kernel", (
+                specs.append(_row_spec(dtype, "_unpermute_bwd_kernel", (
                     ("grad_y_ptr", x, rows), ("rows_ptr", x, rows), ("dest_ptr", "*i64", True),
                     ("w_ptr", "*fp32", True), ("grad_rows_ptr", x, rows),
                     ("grad_w_ptr", "*fp32", True)), (("K", K),), align))
     return specs
 
 
-def _row_spec(kernel, ptrs, const, align) -> Spec:
+def _row_spec(dtype, kernel, ptrs, const, align) -> Spec:
     """A row kernel: pointers, then D (an i32 not known to divide 16, e.g. 1000), then the
     constexprs K [, HAS_W], BLOCK_D, ALIGN."""
-    const = const + (("BLOCK_D", _moe._BLOCK_D), ("ALIGN", align))
+    const = const + (("BLOCK_D", _moe._block_d(dtype)), ("ALIGN", align))
     sig = tuple((n, t) for n, t, _ in ptrs) + (("D", "i32"),) + tuple(
         (k, "constexpr") for k, _ in const)
     return Spec(kernel, "moe", sig, const, tuple(n for n, _, a in ptrs if a), data=ptrs[0][0])

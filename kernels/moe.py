@@ -73,9 +73,10 @@ __all__ = [
 
 #: ids histogrammed per program: 1024 int64 ids = 8 KiB per load, a few atomics per E bins
 _COUNTS_BLOCK = 1024
-#: row elements per program: 512 fp32 = 2 KiB, i.e. 4 elements (one 128-bit access) per
-#: thread with 4 warps; rows longer than this take several programs (or loop iterations)
-_BLOCK_D = 512
+#: row bytes per program: 2 KiB = 16 bytes (one 128-bit access) per thread with 4 warps,
+#: i.e. 512 fp32 or 1024 bf16/fp16 elements; rows longer than this take several programs
+#: (or loop iterations)
+_BLOCK_D_BYTES = 2048
 _BACKENDS = ("auto", "triton", "reference")
 #: dtypes of the token rows the kernels move
 _ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -265,6 +266,11 @@ def _check_weights(weights_TK: torch.Tensor | None, dest_TK: torch.Tensor) -> No
                          f"{tuple(dest_TK.shape)}, got {weights_TK.dtype} {tuple(weights_TK.shape)}")
 
 
+def _block_d(dtype: torch.dtype) -> int:
+    """Row elements per program for rows of ``dtype``: 512 fp32, 1024 bf16/fp16."""
+    return _BLOCK_D_BYTES // dtype.itemsize
+
+
 def _row_align(D: int, *rows: torch.Tensor) -> int:
     """``ALIGN`` for the row kernels: the elements of the narrowest dtype in 16 bytes when D
     is a multiple of that and every row tensor starts on a 16-byte boundary (then so does
@@ -305,8 +311,9 @@ def moe_permute(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, *,
     (T, D), K = x_TD.shape, dest_TK.shape[1]
     out_ND = x_TD.new_empty((num_rows, D))
     if T and D and K and num_rows:
-        _permute_kernel[(T, triton.cdiv(D, _BLOCK_D))](
-            x_TD, dest_TK, out_ND, D, K=K, BLOCK_D=_BLOCK_D, ALIGN=_row_align(D, x_TD, out_ND))
+        block_d = _block_d(x_TD.dtype)
+        _permute_kernel[(T, triton.cdiv(D, block_d))](
+            x_TD, dest_TK, out_ND, D, K=K, BLOCK_D=block_d, ALIGN=_row_align(D, x_TD, out_ND))
     return out_ND
 
 
@@ -327,8 +334,9 @@ def moe_unpermute(rows_ND: torch.Tensor, dest_TK: torch.Tensor,
     y_TD = rows_ND.new_empty((T, D))
     if T and D:
         w = weights_TK.contiguous() if weights_TK is not None else dest_TK  # dummy pointer
-        _unpermute_kernel[(T, triton.cdiv(D, _BLOCK_D))](
-            rows_ND, dest_TK, w, y_TD, D, K=K, HAS_W=weights_TK is not None, BLOCK_D=_BLOCK_D,
+        block_d = _block_d(rows_ND.dtype)
+        _unpermute_kernel[(T, triton.cdiv(D, block_d))](
+            rows_ND, dest_TK, w, y_TD, D, K=K, HAS_W=weights_TK is not None, BLOCK_D=block_d,
             ALIGN=_row_align(D, rows_ND, y_TD))
     return y_TD
 
@@ -357,7 +365,7 @@ def moe_unpermute_backward(grad_y_TD: torch.Tensor, rows_ND: torch.Tensor, dest_
     grad_w_TK = torch.zeros_like(weights_TK)
     if T and K:
         _unpermute_bwd_kernel[(T,)](grad_y_TD, rows_ND, dest_TK, weights_TK, grad_rows_ND,
-                                    grad_w_TK, D, K=K, BLOCK_D=_BLOCK_D,
+                                    grad_w_TK, D, K=K, BLOCK_D=_block_d(rows_ND.dtype),
                                     ALIGN=_row_align(D, grad_y_TD, rows_ND, grad_rows_ND))
     return grad_rows_ND, grad_w_TK
 

@@ -30,8 +30,9 @@ def needs_triton(fn):
     return pytest.mark.interpreter(_skip_without_triton(fn))
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
-# (T, K, D): empty, single token, odd sizes, a row longer than one block (_BLOCK_D = 512)
-SHAPES = [(0, 2, 8), (1, 1, 1), (7, 2, 5), (19, 3, 130), (5, 2, 600)]
+# (T, K, D): empty, single token, odd sizes, rows longer than one block (512 fp32 or 1024
+# 16-bit elements)
+SHAPES = [(0, 2, 8), (1, 1, 1), (7, 2, 5), (19, 3, 130), (5, 2, 600), (2, 2, 1096)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
