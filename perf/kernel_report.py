@@ -275,7 +275,9 @@ def main(argv=None) -> None:
            "compile_wall_s": round(time.time() - t0, 1), "cap_mb": args.cap_mb,
            "hbm_bytes_per_s": HBM, "launch_us": LAUNCH_US,
            "summary": summary(records), "machine_code": machine_code_rows(records),
-           "roofline": roofline(args.cap_mb), "records": records}
+           "roofline": roofline(args.cap_mb),
+           # every compile (the signature is in the label and the constexprs)
+           "records": [{k: v for k, v in r.items() if k != "signature"} for r in records]}
     save(args.out, "kernels", res, markdown, plot)
 
 
