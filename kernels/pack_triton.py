@@ -2,9 +2,13 @@
 
 * ``_pack_kernel`` / ``_unpack_kernel`` (``@triton.jit``): one program copies one block of
   one tensor; a block->tensor map tells it which, so a bucket of any number of tensors is a
-  single launch.
+  single launch. Each comes in two forms: ``ALIGN > 1`` when every address, size and
+  offset is a multiple of 16 bytes (128-bit global accesses), ``ALIGN = 1`` otherwise
+  (one access per element); ``_TritonTables.align`` picks one per launch.
 * ``_block_map`` and ``_TritonTables``: that map and the per-tensor tables, built once per
   layout (the pointer table is rebuilt only when the tensors' ``data_ptr()``s change).
+* ``_pack_variant`` / ``_unpack_variant``: which kernel dtypes and flags a call launches
+  (``kernels/machine_code.py`` enumerates the specializations from them).
 * ``_TritonPath``: ``BucketPlan``'s Triton methods (pick the kernel's dtypes, launch once per
   source dtype), mixed into the plan by ``kernels/pack.py``.
 

@@ -402,12 +402,13 @@ def test_index_math_is_int64(device):
     ptrs = torch.tensor([src.data_ptr() - huge * 4], **i64)  # virtual element `huge` = src[0]
     P._pack_kernel[(2,)](ptrs, sizes, offsets, block_tensor, block_start, out, sizes, 1.0,
                          SRC=P.tl.float32, DST=P.tl.float32, COPY=True, CHECK=False,
-                         BLOCK=P.BLOCK)
+                         BLOCK=P.BLOCK, ALIGN=1)  # the layout is not 16-byte aligned
     assert torch.equal(out[3:3 + n], src) and not out[:3].any() and not out[3 + n:].any()
     back = torch.zeros(n, device=device)
     ptrs = torch.tensor([back.data_ptr() - huge * 4], **i64)
     P._unpack_kernel[(2,)](ptrs, sizes, offsets, block_tensor, block_start, out, 2.0,
-                           DST=P.tl.float32, COPY=False, ACCUMULATE=False, BLOCK=P.BLOCK)
+                           DST=P.tl.float32, COPY=False, ACCUMULATE=False, BLOCK=P.BLOCK,
+                           ALIGN=1)
     assert torch.equal(back, src * 2)
 
 
