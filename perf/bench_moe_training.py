@@ -43,8 +43,10 @@ from torch import nn
 
 try:  # run as a script: perf/ is on sys.path
     import bench_moe
+    from _results import save
 except ImportError:  # pragma: no cover - imported as perf.bench_moe_training
     from perf import bench_moe
+    from perf._results import save
 
 WORLD, EP, L, D, F, K = 4, 2, 2, 256, 512, 2
 VARIANTS = ("expert reducer", "loop after backward", "flat after backward",
@@ -159,7 +161,8 @@ def main(argv=None) -> dict:
         results=rows,
         clip_ms={k: 1e3 * statistics.median(v) for k, v in clip.items()},
     )
-    return bench_moe._write("moe_training", result, _table, _plot)
+    save(bench_moe.ROOT / "perf" / "results", "moe_training", result, _table, _plot)
+    return result
 
 
 def _table(result) -> str:
