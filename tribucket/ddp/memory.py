@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import Bucket
+from ..layout import Bucket
 
 __all__ = ["BucketMemory"]
 
@@ -231,6 +231,14 @@ class BucketMemory:
         for g, k in strided:
             off, n = self.bucket.offsets[k], self.bucket.sizes[k]
             g.copy_(result.narrow(0, off, n).view(g.shape))
+
+    def zeros(self) -> torch.Tensor:
+        """The buffer this pass sends, all zeros (a Join shadow pass)."""
+        buf = self.active
+        if buf is None:
+            buf = self.active = self._new_buffer()
+        buf.zero_()
+        return buf
 
     def reset(self) -> None:
         self.active = self.lent = None
