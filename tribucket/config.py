@@ -71,8 +71,10 @@ class ReducerConfig:
     #: when a gradient is copied into its bucket: ``True`` as soon as it is ready (one copy
     #: per gradient, the way DDP does it), ``False`` in one pack call when the bucket's
     #: last gradient is ready (one fused launch per bucket, the GPU way), ``None`` (default):
-    #: decided per device (see the README's Data parallel section). Also set by the
-    #: environment variable ``TRIBUCKET_EAGER_PACK=1``/``0``
+    #: decided per bucket: on GPU one launch per bucket; on CPU, buckets whose gradients
+    #: average 64 KiB or more copy each one in while it is still in cache, buckets of
+    #: smaller ones are packed in one call (per-gradient Python work would cost more).
+    #: Also set by the environment variable ``TRIBUCKET_EAGER_PACK=1``/``0``
     pack_on_ready: bool | None = field(default_factory=lambda: _env_flag("TRIBUCKET_EAGER_PACK"))
 
     def __post_init__(self) -> None:

@@ -186,7 +186,7 @@ class SparseBucket(_BucketBase):
                                       comm.hook, self.spec, self.index, comm.guard,
                                       self.describe())
 
-    def finish(self, result: torch.Tensor, targets: list) -> None:
+    def finish(self, result: torch.Tensor, targets: list, all_targets: bool = False) -> None:
         if targets[0]:
             self.params[0].grad = result
 
@@ -225,8 +225,12 @@ class DenseBucket(_BucketBase):
         if zeros:
             buf = self.mem.zeros()
         else:
-            ready = p.ready
-            grads = [q.grad if ready[i] else None for q, i in zip(self.params, self.indices)]
+            if self.pending == 0:  # the usual case: every gradient is in
+                grads = [q.grad for q in self.params]
+            else:
+                ready = p.ready
+                grads = [q.grad if ready[i] else None
+                         for q, i in zip(self.params, self.indices)]
             buf = self.mem.pack(grads, p.scale, found_inf)
         self.communicate(p, comm, buf)
 
@@ -282,7 +286,8 @@ class DenseBucket(_BucketBase):
         self.handle.works.append(dist.all_reduce(seg, group=comm.chunk_group, async_op=True))
 
     # ---------------------------------------------------------------- finish
-    def finish(self, result: torch.Tensor, targets: list) -> None:
+    def finish(self, result: torch.Tensor, targets: list, all_targets: bool = False) -> None:
         """The averaged bucket becomes the gradients of the ``targets`` parameters (lent as
-        views of the buffer, or unpacked into them): the one place a reduced bucket ends."""
-        self.mem.finish(result, targets)
+        views of the buffer, or unpacked into them): the one place a reduced bucket ends.
+        ``all_targets``: every parameter of the bucket is a target."""
+        self.mem.finish(result, targets, all_targets)

@@ -55,5 +55,5 @@ class ReducerJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         # as DDP: the model of the last rank to join (ties: the highest rank) wins
         r = self.reducer
-        src = r._join_flags.common_rank(is_last_joiner, r._passes)
+        src = r._join_flags.common_rank(is_last_joiner, r._bw.passes)
         r._broadcast_states(src_rank=src, buffers=r.config.broadcast_buffers)
