@@ -1,7 +1,7 @@
 """The backward pass of the data-parallel reducer: what spans buckets.
 
-The path of one gradient: :meth:`Backward.on_grad_ready` (the post-accumulate-grad hook of
-every parameter) marks it ready and counts it down in its bucket, nothing more in the common
+The path of one gradient: ``bucket.GradHook`` (the post-accumulate-grad hook of every
+parameter) marks it ready and counts it down in its bucket, nothing more in the common
 case; when a bucket's count reaches zero and every earlier bucket is launched, the bucket
 (``bucket.py``) is packed in one call (``memory.py`` into ``tribucket.kernels``) and
 communicated; at the end of backward each bucket waits for its result and lends it back as
@@ -25,12 +25,12 @@ import torch
 from .. import kernels
 from ..config import ReducerConfig
 from ..layout import BucketLayout
-from .bucket import BucketState, Comm, DenseBucket, SparseBucket
+from .bucket import BucketState, Comm, DenseBucket, GradHook, SparseBucket
 from .join import JoinFlags
 from .memory import BucketMemory
 from .rebuild import DDP_ALIGN_BYTES, LayoutPolicy
 from .state import Pass, ReducerStats
-from .status import Status
+from .status import Status, second_gradient_error, static_graph_error
 from .watchdog import CommGuard
 
 __all__ = ["Backward"]
@@ -88,6 +88,8 @@ class Backward:
         self.closed = False
         # the per-gradient hook's short path applies: no hook counts, no order recorded
         self._plain = not (config.static_graph or config.find_unused_parameters)
+        #: the post-accumulate-grad hook of each parameter (the reducer registers them)
+        self.grad_hooks = [GradHook(self, i) for i in range(len(params))]
 
     # ------------------------------------------------------------------ per gradient
     def on_backward_start(self, grad_outputs):
@@ -106,15 +108,10 @@ class Backward:
         p = self.pass_ = Pass(sync, len(self.params), self.passes)
         return p
 
-    def on_grad_ready(self, index: int, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook of parameter ``index``: count its gradient in."""
+    def on_grad_ready(self, index: int) -> None:
+        """A gradient outside :class:`GradHook`'s common case: the first of a pass,
+        ``no_sync``, hook counts (``static_graph``), the used map, the rebuild order, misuse."""
         p = self.pass_
-        if p is not None and p.plain and not p.ready[index]:
-            self._mark_ready(p, index)  # the common case: mark ready, count down
-            return
-        self._on_grad_ready_general(p, index)
-
-    def _on_grad_ready_general(self, p: Pass | None, index: int) -> None:
         if p is None:
             p = self._begin_pass()
         if not p.callback_queued:
@@ -132,31 +129,16 @@ class Backward:
                 return  # first iteration of a static graph: everything launches at the end
             if p.fired[index] != counts[index]:
                 if p.fired[index] > counts[index]:
-                    p.errors.append(
-                        f"static_graph=True: parameter {self.names[index]!r} received "
-                        f"{p.fired[index]} gradient(s) in this backward but {counts[index]} "
-                        "in the first iteration: the graph changed, which static_graph does "
-                        "not allow")
+                    p.errors.append(static_graph_error(self.names[index], p.fired[index],
+                                                       counts[index]))
                 return
         elif p.ready[index]:
-            p.errors.append(self._second_gradient_error(index))
+            p.errors.append(second_gradient_error(self.names[index], index in self.unused))
             return  # recorded; raised on every rank at the end of backward, after the
             # collectives, so no rank is left waiting
         if p.record_order:
             self.ready_order.append(index)  # gradient-ready order, for the rebuild
         self._mark_ready(p, index)
-
-    def _second_gradient_error(self, index: int) -> str:
-        name = self.names[index]
-        if index in self.unused:
-            return (f"parameter {name!r} was found unused after the forward (no path from the "
-                    "forward's outputs reaches it) but then received a gradient; compute the "
-                    "loss from the model's outputs")
-        return (f"parameter {name!r} received a second gradient in the same backward pass. "
-                "Causes: the parameter is used in several reentrant backward passes "
-                "(torch.utils.checkpoint with use_reentrant=True: pass static_graph=True or "
-                "use use_reentrant=False), or it is used outside the model's forward in "
-                "another graph")
 
     def _first_gradient(self, p: Pass) -> None:
         """The first parameter gradient of a synchronised pass: buckets, unused params."""
@@ -171,7 +153,7 @@ class Backward:
         cfg = self.config
         p.record_order = (self.policy.may_rebuild(self.rebuilt)
                           and (not cfg.static_graph or self.static_counts is not None))
-        # later gradients of this pass take on_grad_ready's short path
+        # later gradients of this pass take GradHook's short path
         p.plain = self._plain and not p.record_order
         if cfg.static_graph and self.static_counts is None:
             return
@@ -189,20 +171,14 @@ class Backward:
         return max(1, int(work.result()[0].item()))
 
     def _mark_ready(self, p: Pass, index: int) -> None:
-        p.ready[index] = 1
-        bucket, k = self.slot[index]
-        if bucket.eager:
-            bucket.put(k, p.scale, self.found_inf_arg)
-        bucket.pending -= 1
-        if bucket.index != p.next_bucket:
-            if bucket.pending == 0:
-                bucket.state = BucketState.READY  # launched when its predecessors are
-            return
-        if bucket.pending == 0:
-            bucket.state = BucketState.READY
+        self.grad_hooks[index].mark(p)
+
+    def bucket_complete(self, p: Pass, bucket) -> None:
+        """``bucket``'s last gradient is in: launch it, and those after it that are
+        complete, if every bucket before it is launched."""
+        bucket.state = BucketState.READY
+        if bucket.index == p.next_bucket:
             self._advance(p)
-        elif bucket.chunked:
-            bucket.send_ready_chunks(p, self.comm)
 
     def _advance(self, p: Pass) -> None:
         """Launch every complete bucket whose predecessors are launched, in bucket order,
@@ -365,22 +341,11 @@ class Backward:
 
     def _exchange_status(self, p: Pass, problems: int,
                          used: list | None) -> tuple[list, torch.Tensor, float]:
-        """Wait for every bucket's result and agree on the status across ranks: returns the
-        results, the reduced status and the seconds spent waiting on the status."""
-        start = time.perf_counter()
-        if self.piggyback:  # written into the last bucket when it was sent
-            results = [b.wait() for b in self.buckets]
-            status = self.status.read_tail(self.buckets[-1].mem.active)
-            return results, status, time.perf_counter() - start
-        status = self.status.tensor(problems, self._overflow(), used)
-        serialize = self.comm.traits.serialize  # hook callbacks may issue collectives
-        work = None if serialize else self.status.launch(status, p.iteration)
-        results = [b.wait() for b in self.buckets]
-        if serialize:
-            work = self.status.launch(status, p.iteration)
-        start = time.perf_counter()
-        self.status.wait(work, p.iteration)
-        return results, status, time.perf_counter() - start
+        last = self.buckets[-1].mem if self.piggyback else None
+        return self.status.exchange(
+            self.buckets, None if last is None else last.active,
+            lambda: self.status.tensor(problems, self._overflow(), used),
+            self.comm.traits.serialize, p.iteration)
 
     def rebuild(self, order: list[int]) -> None:
         self.ready_order = []

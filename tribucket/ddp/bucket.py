@@ -1,5 +1,6 @@
-"""One bucket of the data-parallel reducer: its slice of the layout, its memory, its chunk
-bounds, its state in the current backward pass and its one in-flight communication.
+"""One bucket of the data-parallel reducer (its slice of the layout, its memory, its chunk
+bounds, its state in the current backward pass and its one in-flight communication), and
+the per-parameter hook that counts gradients into it (:class:`GradHook`).
 
 State machine of a bucket in one backward pass (every field written here is read here or
 by the reducer's cross-bucket order)::
@@ -17,6 +18,7 @@ gradients is :meth:`DenseBucket.finish` alone (lend the buffer, or unpack it).
 from __future__ import annotations
 
 import enum
+import operator
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -31,7 +33,9 @@ from .memory import BucketMemory
 from .state import Pass
 from .watchdog import CommGuard
 
-__all__ = ["BucketState", "Comm", "DenseBucket", "SparseBucket"]
+__all__ = ["BucketState", "Comm", "DenseBucket", "GradHook", "SparseBucket"]
+
+_grad_of = operator.attrgetter("grad")
 
 
 class BucketState(enum.IntEnum):
@@ -51,6 +55,54 @@ class Comm:
     traits: Any                    # hooks._HookTraits of the hook
     chunk_group: Any               # where the reducer's own (chunked) allreduces go
     world_size: int
+
+
+# ------------------------------------------------------------------ the per-gradient hook
+class GradHook:
+    """The post-accumulate-grad hook of one parameter: it runs once per gradient, so the
+    common case (a synchronised pass already under way, nothing to record) is done here:
+    mark the gradient ready and count it down in its bucket.
+
+    Like ``hookcall.HookRef``, it reaches the reducer only while
+    attached, and a copy of the model (``deepcopy``, pickling) gets an inert hook.
+    """
+
+    __slots__ = ("bw", "index")
+
+    def __init__(self, bw: Any, index: int):
+        self.bw, self.index = bw, index
+
+    def __call__(self, param: torch.Tensor) -> None:
+        bw = self.bw
+        if bw is None:
+            return
+        p = bw.pass_
+        if p is not None and p.plain and not p.ready[self.index]:
+            self.mark(p)
+        else:
+            bw.on_grad_ready(self.index)
+
+    def mark(self, p: Pass) -> None:
+        """Mark this parameter's gradient ready in pass ``p`` and count it down."""
+        bw = self.bw
+        p.ready[self.index] = 1
+        bucket, k = bw.slot[self.index]
+        if bucket.eager:
+            bucket.put(k, p.scale, bw.found_inf_arg)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            bw.bucket_complete(p, bucket)
+        elif bucket.chunked and bucket.index == p.next_bucket:
+            bucket.send_ready_chunks(p, bw.comm)
+
+    def detach(self) -> None:
+        self.bw = None
+
+    def __deepcopy__(self, memo: dict) -> "GradHook":
+        return GradHook(None, self.index)
+
+    def __reduce__(self):
+        return (GradHook, (None, self.index))
 
 
 # ------------------------------------------------------------------ in-flight handles
@@ -226,7 +278,7 @@ class DenseBucket(_BucketBase):
             buf = self.mem.zeros()
         else:
             if self.pending == 0:  # the usual case: every gradient is in
-                grads = [q.grad for q in self.params]
+                grads = list(map(_grad_of, self.params))
             else:
                 ready = p.ready
                 grads = [q.grad if ready[i] else None

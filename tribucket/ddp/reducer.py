@@ -103,9 +103,8 @@ class Reducer(Joinable):
 
     def _attach(self) -> None:
         bw, module = self._bw, self.module
-        for i, p in enumerate(self._params):  # tied parameters appear once in the list
-            self._handles.append(
-                p.register_post_accumulate_grad_hook(self._hook_ref(bw, "on_grad_ready", i)))
+        for p, hook in zip(self._params, bw.grad_hooks):  # tied parameters appear once
+            self._handles.append(p.register_post_accumulate_grad_hook(hook))
         self._handles.append(module.register_forward_pre_hook(
             self._hook_ref(self, "_pre_forward")))
         self._handles.append(module.register_forward_hook(self._hook_ref(self, "_post_forward")))
@@ -214,7 +213,7 @@ class Reducer(Joinable):
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for ref in self._hook_refs:
+        for ref in [*self._hook_refs, *self._bw.grad_hooks]:
             ref.detach()  # graphs still holding a hook no longer reach the reducer
         self._hook_refs.clear()
         failed = self._bw.finish_in_flight()  # so no peer is left waiting

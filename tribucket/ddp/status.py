@@ -8,12 +8,15 @@ Layout of the status vector: ``[problems per rank..., overflow flag, used map...
 
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
 from .watchdog import CommGuard
 
-__all__ = ["Status"]
+__all__ = ["Status", "second_gradient_error", "static_graph_error"]
 
 
 class Status:
@@ -60,6 +63,29 @@ class Status:
         if work is not None:
             self.guard.wait(work, "the end-of-backward status allreduce", iteration)
 
+    def exchange(self, buckets: list, tail_buffer: torch.Tensor | None,
+                 make_status: Callable[[], torch.Tensor], serialize: bool,
+                 iteration: int) -> tuple[list, torch.Tensor, float]:
+        """Wait for every bucket's result and agree on the status across ranks: returns the
+        results, the reduced status and the seconds spent waiting on the status.
+
+        ``tail_buffer``: the last bucket's buffer when the status rode in its tail (read it
+        back once the bucket is reduced); else the status is ``make_status()``, sent on its
+        own, after the buckets when a hook's callbacks may still issue collectives
+        (``serialize``)."""
+        start = time.perf_counter()
+        if tail_buffer is not None:
+            results = [b.wait() for b in buckets]
+            return results, self.read_tail(tail_buffer), time.perf_counter() - start
+        status = make_status()
+        work = None if serialize else self.launch(status, iteration)
+        results = [b.wait() for b in buckets]
+        if serialize:
+            work = self.launch(status, iteration)
+        start = time.perf_counter()
+        self.wait(work, iteration)
+        return results, status, time.perf_counter() - start
+
     def problems(self, status: torch.Tensor) -> list[float]:
         return status[: self.world_size].tolist()
 
@@ -89,3 +115,24 @@ class Status:
             "are legitimately unused, pass find_unused_parameters=True to fused_bucketing (or "
             "static_graph=True if the unused set never changes); otherwise make sure every "
             "parameter contributes to the loss.")
+
+
+def second_gradient_error(name: str, found_unused: bool) -> str:
+    """The misuse message when parameter ``name`` gets a gradient twice in one pass."""
+    if found_unused:
+        return (f"parameter {name!r} was found unused after the forward (no path from the "
+                "forward's outputs reaches it) but then received a gradient; compute the "
+                "loss from the model's outputs")
+    return (f"parameter {name!r} received a second gradient in the same backward pass. "
+            "Causes: the parameter is used in several reentrant backward passes "
+            "(torch.utils.checkpoint with use_reentrant=True: pass static_graph=True or "
+            "use use_reentrant=False), or it is used outside the model's forward in "
+            "another graph")
+
+
+def static_graph_error(name: str, fired: int, expected: int) -> str:
+    """The misuse message when a static graph's parameter gets more gradients than in the
+    first iteration."""
+    return (f"static_graph=True: parameter {name!r} received {fired} gradient(s) in this "
+            f"backward but {expected} in the first iteration: the graph changed, which "
+            "static_graph does not allow")
