@@ -274,7 +274,7 @@ def _progress_marks_on_replica_groups():
     """Two reducers' guards on the two replica groups {0, 2} and {1, 3}; rank 3 is behind."""
     import datetime
 
-    from tribucket._watchdog import CommGuard
+    from tribucket.ddp.watchdog import CommGuard
 
     _, replicas = expert_data_parallel_groups(2)
     guard = CommGuard(replicas, dist.get_rank(replicas), 2, torch.device("cpu"),
