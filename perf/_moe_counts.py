@@ -3,7 +3,8 @@
 ``count_step(step)`` runs ``step()`` (a forward + backward) once and returns
 
 * ``collectives``: calls into ``torch.distributed`` by name (all-to-alls, all-reduces, ...;
-  ``barrier`` excluded), counted by wrapping the functions the layers call;
+  ``barrier`` excluded), counted by wrapping the functions the layers call, plus functional
+  collectives (``_c10d_functional`` ops);
 * ``host_syncs``: device-to-host reads (``.item()``, ``int()``/``bool()`` of a tensor, i.e.
   ``aten::_local_scalar_dense``, and ``.tolist()``); free on CPU tensors apart from the
   Python call, a stall of the whole stream on a GPU;
@@ -68,8 +69,14 @@ def count_step(step) -> dict:
         torch.Tensor.tolist = tolist
         for name, fn in saved.items():
             setattr(dist, name, fn)
-    # c10d ops show up in the dispatch mode too: count them once, as collectives
-    ops = {k: v for k, v in mode.ops.items() if not k.startswith("c10d")}
+    # c10d ops of the dist.* calls show up in the dispatch mode too: count them once, as
+    # collectives; functional collectives (torch.distributed._functional_collectives, what
+    # torchtitan calls) only show up there
+    for k, v in mode.ops.items():
+        name = k.split(".", 1)[1] if k.startswith("_c10d_functional.") else ""
+        if name.startswith(("all_", "reduce_", "broadcast")):  # not wait_tensor, wrappers
+            calls[name] += v
+    ops = {k: v for k, v in mode.ops.items() if "c10d" not in k}
     return dict(collectives=dict(calls), collectives_total=sum(calls.values()),
                 host_syncs=ops.get("aten._local_scalar_dense", 0) + tolists[0],
                 aten_ops=sum(ops.values()), top_ops=dict(collections.Counter(ops).most_common(12)))
