@@ -20,8 +20,9 @@ Expert ``e`` lives on rank ``e // L`` as local expert ``e % L``. ``dispatch`` is
                the W·L contiguous pieces -> expert_input_RD
 
 and ``combine`` runs the same steps backwards (ungroup: one cat of the experts' outputs in
-(source rank, local expert) order, reverse all-to-all, weighted unpermute in fp32). Every step is differentiable; the all-to-alls' backward is the
-reverse exchange, so ``x_TD``, ``weights_TK`` and the experts all get gradients.
+(source rank, local expert) order, reverse all-to-all, weighted unpermute in fp32). Every
+step is differentiable; the all-to-alls' backward is the reverse exchange, so ``x_TD``,
+``weights_TK`` and the experts all get gradients.
 
 The token movement in the middle (``exchange`` -> experts -> ``exchange_back``) is the part
 a pipelined schedule (FasterMoE's pairwise exchange) replaces: it needs ``send_ND`` (rank
