@@ -354,7 +354,7 @@ class MoELayer(nn.Module):
             y_TD = disp.unpermute(back_ND, meta)
 
         self.aux_loss = self._aux_loss(logits_TE, probs_TE, meta.counts_E)
-        self.stats = MoEStats(tokens_per_expert=tuple(meta.counts_E.tolist()),
+        self.stats = MoEStats(tokens_per_expert=meta.counts_host,
                               tokens_received=meta.tokens_per_expert,
                               dropped=meta.num_dropped, capacity=meta.capacity,
                               shadowed=tuple(sorted(shadowed)))
@@ -368,7 +368,7 @@ class MoELayer(nn.Module):
         T, K = expert_ids_TK.shape
         capacity = expert_capacity(self.dispatcher.capacity_factor, T, K, E)
         counts_E = moe_counts(expert_ids_TK, E, backend=backend)
-        dest_TK, sent_E = _route(expert_ids_TK, counts_E, capacity)
+        dest_TK, sent_E, _ = _route(expert_ids_TK, counts_E, capacity)
         sent = sent_E.tolist()
         rows_ND = permute_tokens(x_TD, dest_TK, sum(sent), backend=backend)
         outs = [expert(chunk) for expert, chunk in zip(self._gathered, rows_ND.split(sent))]
