@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook, Joinable
 
 from ._pass import _BucketState, _Pass
-from .comm import broadcast_coalesced
 
 __all__ = ["JoinSupport"]
 
@@ -54,13 +53,8 @@ class JoinSupport(Joinable):
     def _shadow_iteration(self) -> None:
         """On a rank that ran out of inputs: issue the collectives one iteration of the
         others issues, contributing zeros (the reducer's ``JoinHook.main_hook``)."""
-        if (self.config.broadcast_buffers and self._require_forward_param_sync
-                and self._buffers and self.world_size > 1):
-            src = self._common_rank(False)
-            self._guard.fingerprint("buffers", self._passes, 0, len(self._buffers),
-                                    None)
-            broadcast_coalesced([b.detach() for _, b in self._buffers], src=src,
-                                group=self._guard.group_arg())
+        if self._require_forward_param_sync:
+            self._broadcast_buffers(lambda: self._common_rank(False))
         sync = self._allreduce_flag(0.0) != 0
         self._require_forward_param_sync = sync
         self._passes += 1

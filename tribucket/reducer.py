@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 from . import kernels
+from ._ddp_compat import CommTimings, DDPCompat, bucket_sizes
 from ._env import describe_backend
 from ._graph import output_tensors, reachable_parameters
 from ._hookcall import HookRef, SparseWork, check_result, hook_name, invoke, invoke_after
@@ -63,12 +64,13 @@ logger = logging.getLogger("tribucket")
 _ALIGN_BYTES = 16
 
 
-class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
+class Reducer(DDPCompat, LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
     """Average gradients across ranks with DDP's semantics; see :func:`fused_bucketing`.
 
     Usable directly: ``reducer = Reducer(model)`` attaches, ``reducer.close()`` detaches
     (or use it as a context manager). It is a ``torch.distributed.algorithms.Joinable``:
-    ``with Join([reducer]): ...`` trains on uneven inputs as ``DDP.join()`` does.
+    ``with reducer.join(): ...`` trains on uneven inputs as ``DDP.join()`` does. DDP's
+    other spellings (the options as attributes, ``logging_data()``) are in ``_ddp_compat``.
     """
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
@@ -108,6 +110,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         self._chunk_group = self._guard.group  # where chunked averaging allreduces go
         # layout and the memory behind it (buffers are allocated at the first backward)
         self._layout = self._initial_layout()
+        self._initial_sizes = bucket_sizes(self._layout)  # logging_data()'s bucket_sizes
         self._mem: list[BucketMemory | None] = []  # per bucket (None: sparse)
         self._bucket_params: list[list[torch.Tensor]] = []
         self._bucket_index: list[list[int]] = []   # per bucket: parameter indices
@@ -130,6 +133,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         self._divide_by_initial_world_size = True
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=self._device)
         self.stats = ReducerStats(buckets=len(self._layout.buckets))
+        self._timings = CommTimings()          # every averaged backward, for logging_data()
         self._handles: list = []
         self._hook_refs: list[HookRef] = []
         self._closed = False
@@ -137,7 +141,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         self._attach()
 
     # ------------------------------------------------------------------ set-up
-    def _broadcast_states(self, src_rank: int, buffers: bool) -> None:
+    def _broadcast_states(self, src_rank: int, buffers: bool | str) -> None:
         tensors = [p.detach() for _, p in self._state_params]
         if buffers:
             tensors += [b.detach() for _, b in self._buffers]
@@ -204,6 +208,9 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
                 state, dist.ProcessGroup) else state
             self._chunk_group = named if named is not None else self._guard.group
 
+    def _comm_hook(self) -> Callable | None:
+        return self._hook
+
     def close(self) -> None:
         """Detach from the model: remove every hook, finish pending communication."""
         if self._closed:
@@ -230,21 +237,32 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
 
     # ------------------------------------------------------------------ forward hooks
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled():
-            return  # evaluation: no collective, so `if rank == 0: evaluate(model)` works
         joining = self._join_config.enable
+        if not torch.is_grad_enabled():
+            # evaluation: by default no collective, so `if rank == 0: evaluate(model)` works;
+            # broadcast_buffers="ddp" decides as DDP (the previous forward was a training
+            # one: broadcast), so every rank must then run it
+            if self.config.broadcast_buffers == "ddp" and not joining:
+                if self._require_forward_param_sync:
+                    self._broadcast_buffers(lambda: 0)
+                self._require_forward_param_sync = False
+            return
         if joining:
             self._join_work = Join.notify_join_context(self)
-        if (self.config.broadcast_buffers and self._require_forward_param_sync
-                and self._buffers and self.world_size > 1):
+        if self._require_forward_param_sync:
             # under Join rank 0 may have left: agree on the highest rank still training
-            src = self._common_rank(True) if joining else 0
-            self._guard.fingerprint("buffers", self._passes, 0, len(self._buffers),
-                                    None)
-            broadcast_coalesced([b.detach() for _, b in self._buffers], src=src,
-                                group=self._guard.group_arg())
+            self._broadcast_buffers(lambda: self._common_rank(True) if joining else 0)
         if joining:
             self._allreduce_flag(1.0 if self._sync_enabled else 0.0)  # tell joined ranks
+
+    def _broadcast_buffers(self, source: Callable[[], int]) -> None:
+        """Broadcast the buffers from rank ``source()`` (called only if there is a broadcast)."""
+        if not (self.config.broadcast_buffers and self._buffers and self.world_size > 1):
+            return
+        src = source()
+        self._guard.fingerprint("buffers", self._passes, 0, len(self._buffers), None)
+        broadcast_coalesced([b.detach() for _, b in self._buffers], src=src,
+                            group=self._guard.group_arg())
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
@@ -585,6 +603,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         st.backward_compute_s = t_end - p.t_start
         st.comm_exposed_s = done - t_end
         st.bytes_communicated = p.bytes
+        self._timings.record(p.t_start, min(p.t_launch, default=t_end), t_end, done)
         if cfg.debug:
             st.bucket_comm_s = [done - t for t in p.t_launch]
             self._log_buckets(st.bucket_comm_s)
