@@ -70,16 +70,17 @@ def _buffers_vs_ddp(mode):
     ddp = DDP(theirs)
     seen = []
     with tribucket.fused_bucketing(mine, broadcast_buffers=mode) as reducer:
-        # (mode of the model, grad enabled, no_sync)
+        # (mode of the model, grad enabled (None: inference_mode), no_sync)
         steps = [("train", True, False), ("eval", False, False), ("eval", False, False),
                  ("train", True, False), ("train", False, False), ("train", True, False),
                  ("train", True, True), ("eval", False, False), ("train", True, False),
-                 ("eval", False, False)]
+                 ("eval", None, False), ("train", True, False), ("train", None, False)]
         for step, (train, grad, local) in enumerate(steps):
             x = batch("bn", rank, step)
             for model, ctx in ((mine, reducer), (ddp, ddp)):
                 model.train(train == "train")
-                with torch.set_grad_enabled(grad), \
+                with torch.set_grad_enabled(bool(grad)), \
+                        torch.inference_mode() if grad is None else contextlib.nullcontext(), \
                         ctx.no_sync() if local else contextlib.nullcontext():
                     out = model(x)
                     if grad:
