@@ -663,7 +663,7 @@ def fused_bucketing(model: nn.Module, process_group: dist.ProcessGroup | None = 
                     gradient_as_bucket_view: bool = False,
                     find_unused_parameters: bool = False,
                     static_graph: bool = False,
-                    broadcast_buffers: bool = True,
+                    broadcast_buffers: bool | str = True,
                     ignore_parameters=(),
                     **options: Any) -> Reducer:
     """Average ``model``'s gradients across ranks, as DDP does, while the context is open.
