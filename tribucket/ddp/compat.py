@@ -9,9 +9,9 @@ from typing import Any, Callable
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join
 
-from .config import DEFAULT_BUCKET_CAP_MB, ReducerConfig
+from ..config import DEFAULT_BUCKET_CAP_MB, ReducerConfig
 
-__all__ = ["CommTimings", "DDPCompat", "bucket_sizes"]
+__all__ = ["CommTimings", "DDPCompat", "bucket_sizes", "logging_data"]
 
 
 class _Option:
@@ -33,7 +33,7 @@ class _Option:
     def __set__(self, obj: Any, value: Any) -> None:
         raise AttributeError(
             f"reducer.{self._name} is read-only: the options are fixed when the reducer is "
-            f"built (and checked across ranks); pass {self._name}={value!r} to "
+            f"built, the same on every rank; pass {self._name}={value!r} to "
             "tribucket.fused_bucketing(model, ...) or Reducer(model, ...) instead")
 
 
@@ -76,9 +76,8 @@ def bucket_sizes(layout) -> str:
 
 
 class DDPCompat:
-    """The DDP spellings of :class:`tribucket.Reducer` (it supplies ``config``, ``stats``,
-    ``layout``, ``module``, ``world_size``, ``rank``, ``process_group``, ``_params``,
-    ``_unused``, ``_rebuilt``, ``_initial_sizes``, ``_timings`` and ``_comm_hook()``)."""
+    """DDP's spellings on :class:`tribucket.Reducer` that read only its ``config``: the
+    options as attributes, ``join()``, ``_set_static_graph()``."""
 
     find_unused_parameters = _Option(doc="DDP's ``find_unused_parameters`` (read-only).")
     static_graph = _Option(doc="DDP's ``static_graph`` (read-only).")
@@ -107,48 +106,45 @@ class DDPCompat:
                           stacklevel=2)
             return
         raise RuntimeError(
-            "reducer._set_static_graph() cannot change the options of a built reducer (they "
-            "are checked across ranks when it is built): pass static_graph=True to "
+            "reducer._set_static_graph() cannot change the options of a built reducer "
+            "(they are fixed when it is built, the same on every rank): pass static_graph=True to "
             "tribucket.fused_bucketing(model, static_graph=True) or Reducer(model, ...)")
 
-    def logging_data(self) -> dict[str, Any]:
-        """The fields of DDP's ``_get_ddp_logging_data()`` that apply here, under DDP's names.
 
-        Sizes in bytes, times in integer nanoseconds as DDP's; flags as 0/1. Unlike DDP's,
-        every value is current (DDP logs at the next forward, and samples iterations): times
-        are of the last averaged backward and ``avg_*`` their mean over every averaged
-        backward. ``backward_comm_exposed_time`` (tribucket's) is the communication that did
-        not overlap computation (``reducer.stats.comm_exposed_s``).
-        """
-        cfg = self.config
-        params = self._params
-        mode = cfg.broadcast_buffers
-        hook = self._comm_hook()
-        rebuilt = bool(self._rebuilt)
-        layout = self.layout
-        out: dict[str, Any] = dict(
-            world_size=self.world_size,
-            rank=self.rank,
-            module_name=type(self.module).__name__,
-            backend_name=dist.get_backend(self.process_group),
-            dtypes=", ".join(sorted({str(p.dtype).replace("torch.", "") for p in params})),
-            num_parameter_tensors=len(params),
-            total_parameter_size_bytes=sum(p.numel() * p.element_size() for p in params),
-            bucket_cap_bytes=cfg.bucket_cap_bytes,
-            find_unused_parameters=int(cfg.find_unused_parameters),
-            static_graph=int(cfg.static_graph),
-            gradient_as_bucket_view=int(cfg.gradient_as_bucket_view),
-            broadcast_buffers=mode if isinstance(mode, str) else int(mode),
-            comm_hook=None if hook is None else getattr(hook, "__qualname__", repr(hook)),
-            iteration=self.stats.iterations,
-            bucket_sizes=self._initial_sizes,
-            has_rebuilt_buckets=int(rebuilt),
-            rebuilt_bucket_sizes=bucket_sizes(layout) if rebuilt else None,
-            rebuilt_per_bucket_param_indices=", ".join(
-                " ".join(map(str, b.indices)) for b in layout.buckets) if rebuilt else None,
-            num_buckets_reduced=len(layout.buckets),
-            unused_parameter_size=sum(params[i].numel() * params[i].element_size()
-                                      for i in self._unused),
-        )
-        out.update(self._timings.as_ns())
-        return out
+def logging_data(reducer: Any, params: list, hook: Callable | None, initial_sizes: str,
+                 unused: list[int], rebuilt: bool, timings: CommTimings) -> dict[str, Any]:
+    """``reducer.logging_data()``: see :meth:`tribucket.Reducer.logging_data`.
+
+    ``params`` are the averaged parameters, ``hook`` the registered comm hook (``None``:
+    the default allreduce), ``initial_sizes`` the initial layout's :func:`bucket_sizes`,
+    ``unused`` the indices of the parameters the last forward did not reach.
+    """
+    cfg = reducer.config
+    mode = cfg.broadcast_buffers
+    layout = reducer.layout
+    out: dict[str, Any] = dict(
+        world_size=reducer.world_size,
+        rank=reducer.rank,
+        module_name=type(reducer.module).__name__,
+        backend_name=dist.get_backend(reducer.process_group),
+        dtypes=", ".join(sorted({str(p.dtype).replace("torch.", "") for p in params})),
+        num_parameter_tensors=len(params),
+        total_parameter_size_bytes=sum(p.numel() * p.element_size() for p in params),
+        bucket_cap_bytes=cfg.bucket_cap_bytes,
+        find_unused_parameters=int(cfg.find_unused_parameters),
+        static_graph=int(cfg.static_graph),
+        gradient_as_bucket_view=int(cfg.gradient_as_bucket_view),
+        broadcast_buffers=mode if isinstance(mode, str) else int(mode),
+        comm_hook=None if hook is None else getattr(hook, "__qualname__", repr(hook)),
+        iteration=reducer.stats.iterations,
+        bucket_sizes=initial_sizes,
+        has_rebuilt_buckets=int(rebuilt),
+        rebuilt_bucket_sizes=bucket_sizes(layout) if rebuilt else None,
+        rebuilt_per_bucket_param_indices=", ".join(
+            " ".join(map(str, b.indices)) for b in layout.buckets) if rebuilt else None,
+        num_buckets_reduced=len(layout.buckets),
+        unused_parameter_size=sum(params[i].numel() * params[i].element_size()
+                                  for i in unused),
+    )
+    out.update(timings.as_ns())
+    return out
