@@ -26,6 +26,7 @@ from .. import kernels
 from ..config import ReducerConfig
 from ..layout import BucketLayout
 from .bucket import BucketState, Comm, DenseBucket, GradHook, SparseBucket
+from .compat import CommTimings
 from .join import JoinFlags
 from .memory import BucketMemory
 from .rebuild import DDP_ALIGN_BYTES, LayoutPolicy
@@ -74,6 +75,7 @@ class Backward:
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         self.found_inf_arg = None              # found_inf when the hook checks overflow
         self.stats = ReducerStats(buckets=len(self.layout.buckets))
+        self.timings = CommTimings()           # every averaged backward (logging_data)
         self.pass_: Pass | None = None         # the backward pass in progress
         self.sync_enabled = True               # False inside no_sync()
         self.fwd_sync: bool | None = None      # decision of the last grad-enabled forward
@@ -312,6 +314,8 @@ class Backward:
         st.backward_compute_s = t_end - p.t_start
         st.comm_exposed_s = done - t_end
         st.bytes_communicated = p.bytes
+        self.timings.record(p.t_start, min((b.t_launch for b in self.buckets), default=t_end),
+                            t_end, done)
         if cfg.debug:
             st.bucket_comm_s = [done - b.t_launch for b in self.buckets]
             self._log_buckets(st.bucket_comm_s)

@@ -27,6 +27,7 @@ from ..layout import BucketLayout
 from . import resume
 from .backward import Backward
 from .bucket import Comm
+from .compat import DDPCompat, bucket_sizes, logging_data
 from .graph import output_tensors, reachable_parameters
 from .hookcall import HookRef, hook_name
 from .join import JoinFlags, ReducerJoinHook
@@ -39,12 +40,13 @@ __all__ = ["Reducer", "ReducerStats", "fused_bucketing"]
 logger = logging.getLogger("tribucket")
 
 
-class Reducer(Joinable):
+class Reducer(DDPCompat, Joinable):
     """Average gradients across ranks with DDP's semantics; see :func:`fused_bucketing`.
 
     Usable directly: ``reducer = Reducer(model)`` attaches, ``reducer.close()`` detaches
-    (or use it as a context manager). It is a ``torch.distributed.algorithms.Joinable``:
-    ``with Join([reducer]): ...`` trains on uneven inputs as ``DDP.join()`` does.
+    (or use it as a context manager). ``with reducer.join(): ...`` trains on uneven inputs
+    as ``DDP.join()`` does (it is a ``torch.distributed.algorithms.Joinable``); DDP's other
+    spellings (the options as attributes, ``logging_data()``) are in ``compat.py``.
     """
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
@@ -86,6 +88,7 @@ class Reducer(Joinable):
         self._bw = Backward(config, self._params, self._names, view.expect_sparse,
                             self._guard, self._comm, self._join_flags, self._device)
         self._require_forward_param_sync = True  # broadcast buffers before the next forward
+        self._initial_sizes = bucket_sizes(self._bw.layout)  # logging_data()'s bucket_sizes
         #: set to 1.0 by a compression hook with ``check_overflow`` when the averaged
         #: gradients overflowed in the last backward
         self.found_inf = self._bw.found_inf
@@ -102,7 +105,7 @@ class Reducer(Joinable):
             for group, params in expert_replica_sets(module, config.ignore_parameters)]
 
     # ------------------------------------------------------------------ set-up
-    def _broadcast_states(self, src_rank: int, buffers: bool) -> None:
+    def _broadcast_states(self, src_rank: int, buffers: bool | str) -> None:
         tensors = [p.detach() for _, p in self._state_params]
         if buffers:
             tensors += [b.detach() for _, b in self._buffers]
@@ -176,6 +179,19 @@ class Reducer(Joinable):
             named = getattr(state, "process_group", None) if not isinstance(
                 state, dist.ProcessGroup) else state
             comm.chunk_group = named if named is not None else self._guard.group
+
+    def logging_data(self) -> dict[str, Any]:
+        """The fields of DDP's ``_get_ddp_logging_data()`` that apply here, under DDP's names.
+
+        Sizes in bytes, times in integer nanoseconds as DDP's; flags as 0/1. Unlike DDP's,
+        every value is current (DDP logs at the next forward, and samples iterations): times
+        are of the last averaged backward and ``avg_*`` their mean over every averaged
+        backward. ``backward_comm_exposed_time`` (tribucket's) is the communication that did
+        not overlap computation (``reducer.stats.comm_exposed_s``).
+        """
+        bw = self._bw
+        return logging_data(self, self._params, self._comm.hook, self._initial_sizes,
+                            bw.unused, bw.rebuilt, bw.timings)
 
     def state_dict(self) -> dict:
         """What a resumed run needs: the (rebuilt) layout, the iteration count, hook state."""
@@ -259,9 +275,16 @@ class Reducer(Joinable):
 
     # ------------------------------------------------------------------ forward hooks
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled():
-            return  # evaluation: no collective, so `if rank == 0: evaluate(model)` works
         joining = self._join_config.enable
+        if not torch.is_grad_enabled():
+            # evaluation: by default no collective, so `if rank == 0: evaluate(model)` works;
+            # broadcast_buffers="ddp" decides as DDP (the previous forward was a training
+            # one: broadcast), so every rank must then run it
+            if self.config.broadcast_buffers == "ddp" and not joining:
+                if self._require_forward_param_sync:
+                    self._broadcast_buffers(lambda: 0)
+                self._require_forward_param_sync = False
+            return
         if joining:
             self._bw.join_work = Join.notify_join_context(self)
         if self._require_forward_param_sync:
@@ -315,7 +338,7 @@ def fused_bucketing(model: nn.Module, process_group: dist.ProcessGroup | None = 
                     gradient_as_bucket_view: bool = False,
                     find_unused_parameters: bool = False,
                     static_graph: bool = False,
-                    broadcast_buffers: bool = True,
+                    broadcast_buffers: bool | str = True,
                     ignore_parameters=(),
                     **options: Any) -> Reducer:
     """Average ``model``'s gradients across ranks, as DDP does, while the context is open.
