@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from . import hooks
 from ._env import nccl_version
+from .clip import clip_grad_norm_
 from .config import ReducerConfig
 from .grad_bucket import GradBucket
 from .layout import NO_CAP, Bucket, BucketLayout, TensorSpec, compute_layout
@@ -25,6 +26,7 @@ __all__ = [
     "ReducerConfig",
     "ReducerStats",
     "TensorSpec",
+    "clip_grad_norm_",
     "compute_layout",
     "fused_bucketing",
     "hooks",

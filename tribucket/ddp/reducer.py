@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -30,7 +31,7 @@ from .compat import DDPCompat, bucket_sizes, logging_data
 from .graph import output_tensors, reachable_parameters
 from .hookcall import HookRef, hook_name
 from .join import JoinFlags, ReducerJoinHook
-from .model import inspect_model, verify_across_ranks
+from .model import expert_replica_sets, inspect_model, verify_across_ranks
 from .state import ReducerStats
 from .watchdog import CommGuard
 
@@ -49,7 +50,8 @@ class Reducer(DDPCompat, Joinable):
     """
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
-                 config: ReducerConfig | None = None, **options: Any):
+                 config: ReducerConfig | None = None, _only: list | None = None, **options: Any):
+        # _only: manage just these parameters, no buffers (an expert replicas' reducer)
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
@@ -68,7 +70,7 @@ class Reducer(DDPCompat, Joinable):
         logger.info("tribucket reducer on rank %d/%d: %s", self.rank, self.world_size,
                     describe_backend())
 
-        view = inspect_model(module, config.ignore_parameters)
+        view = inspect_model(module, config.ignore_parameters, only=_only)
         self._state_params, self._buffers = view.state_params, view.buffers
         self._names, self._params = view.names, view.params
         self._device = view.device
@@ -96,6 +98,11 @@ class Reducer(DDPCompat, Joinable):
         self._hook_refs: list[HookRef] = []
         self._backward_start_ref = self._hook_ref(self._bw, "on_backward_start")
         self._attach()
+        #: reducers averaging expert replicas over their replica groups (expert x data
+        #: parallelism), one per replica group, built with this reducer's options
+        self.expert_reducers: list[Reducer] = [] if _only is not None else [
+            Reducer(module, group, config=replace(config, broadcast_buffers=False), _only=params)
+            for group, params in expert_replica_sets(module, config.ignore_parameters)]
 
     # ------------------------------------------------------------------ set-up
     def _broadcast_states(self, src_rank: int, buffers: bool | str) -> None:
@@ -130,11 +137,16 @@ class Reducer(DDPCompat, Joinable):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the next backward outside reduces their sum."""
+        """Accumulate gradients locally; the next backward outside reduces their sum.
+
+        It holds back the expert reducers too (their replicas sync with the rest)."""
         bw = self._bw
         old, bw.sync_enabled = bw.sync_enabled, False
         try:
-            yield
+            with contextlib.ExitStack() as experts:
+                for r in self.expert_reducers:
+                    experts.enter_context(r.no_sync())
+                yield
         finally:
             bw.sync_enabled = old
 
@@ -233,6 +245,8 @@ class Reducer(DDPCompat, Joinable):
             ref.detach()  # graphs still holding a hook no longer reach the reducer
         self._hook_refs.clear()
         failed = self._bw.finish_in_flight()  # so no peer is left waiting
+        for r in self.expert_reducers:
+            r._close(raise_errors)
         if failed is None:
             return
         b, e = failed

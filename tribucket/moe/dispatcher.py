@@ -208,6 +208,18 @@ class MoEDispatcher:
             ranks_reporting(True, self.group, meta.dest_TK.device)
         raise error
 
+    def fail_plan(self, error: BaseException, device: torch.device | str = "cpu", *,
+                  gather_counts: bool = False) -> NoReturn:
+        """Re-raise ``error`` (this rank's input is bad) on every rank: join the counts
+        exchange with the bad-input flag set, as :meth:`plan` does, then raise it here; the
+        peers raise a RuntimeError naming this rank. ``gather_counts`` as the peers pass it."""
+        W, L, E = self.world_size, self.num_local_experts, self.num_experts
+        flagged = torch.zeros(W, L + 1 + (E if gather_counts else 0), dtype=torch.int64,
+                              device=device)
+        flagged[:, L] = 1  # column L: the bad-input flag
+        exchange_counts(flagged, self.group)
+        raise error
+
     # -- the steps (a pipelined schedule reuses plan/permute/unpermute) -----------------
     def plan(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor,
              weights_TK: torch.Tensor, *, gather_counts: bool = False) -> DispatchMeta:
@@ -228,11 +240,8 @@ class MoEDispatcher:
         try:
             expert_ids_TK = self._check_inputs(x_TD, expert_ids_TK, weights_TK)
         except (ValueError, TypeError) as error:
-            device = x_TD.device if isinstance(x_TD, torch.Tensor) else torch.device("cpu")
-            flagged = torch.zeros(W, cols, dtype=torch.int64, device=device)
-            flagged[:, L] = 1
-            exchange_counts(flagged, self.group)
-            raise error
+            self.fail_plan(error, x_TD.device if isinstance(x_TD, torch.Tensor) else "cpu",
+                           gather_counts=gather_counts)
         T, K = expert_ids_TK.shape
         capacity = expert_capacity(self.capacity_factor, T, K, self.num_experts)
         counts_E = moe_counts(expert_ids_TK, self.num_experts, backend=self.backend)
