@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 from . import kernels
+from ._claims import claim, release
 from ._env import describe_backend
 from ._graph import output_tensors, reachable_parameters
 from ._hookcall import HookRef, SparseWork, check_result, hook_name, invoke, invoke_after
@@ -95,11 +96,16 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         self._state_params, self._buffers = view.state_params, view.buffers
         self._names, self._params, self._index_of = view.names, view.params, view.index_of
         self._device, self._expect_sparse = view.device, view.expect_sparse
-        # the reducer's own collectives: a group with the timeout, failure diagnosis, debug
-        self._guard = CommGuard(self.process_group, self.rank, self.world_size, self._device,
-                                config.timeout, config.debug)
-        verify_across_ranks(view, self._guard.group, self.world_size)
-        self._broadcast_states(src_rank=0, buffers=config.broadcast_buffers)
+        claim(self, view.names, view.params)  # before any collective: one reducer per param
+        try:
+            # the reducer's own collectives: a group with the timeout, failure diagnosis, debug
+            self._guard = CommGuard(self.process_group, self.rank, self.world_size,
+                                    self._device, config.timeout, config.debug)
+            verify_across_ranks(view, self._guard.group, self.world_size)
+            self._broadcast_states(src_rank=0, buffers=config.broadcast_buffers)
+        except BaseException:
+            release(self, view.params)
+            raise
 
         # communication hook (register_comm_hook may replace it before the first backward)
         self._hook: Callable | None = None
@@ -209,6 +215,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         if self._closed:
             return
         self._closed = True
+        release(self, self._params)
         for h in self._handles:
             h.remove()
         self._handles.clear()

