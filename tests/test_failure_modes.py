@@ -166,7 +166,7 @@ def _entry_mismatch(what):
 @pytest.mark.parametrize("what", ["device", "find_unused_parameters", "static_graph",
                                   "bucket_cap_mb", "timeout", "hook"])
 def test_mismatch_across_ranks_is_named_on_every_rank(dist_run, what):
-    messages = dist_run(_entry_mismatch, what, world_size=2, timeout=45, teardown=True)
+    messages = dist_run(_entry_mismatch, what, world_size=2, timeout=45)
     name = {"device": "meta", "hook": "fp16_compress_hook"}.get(what, what)
     for msg in messages:
         assert msg is not None and name in msg and "rank 1" in msg, msg

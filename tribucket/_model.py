@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,19 +78,47 @@ def inspect_model(module: nn.Module, ignore_parameters: tuple) -> ModelView:
                      [id(p) in sparse_ids for p in params])
 
 
-def verify_across_ranks(view: ModelView, group, world_size: int) -> None:
-    """Raise the same ``RuntimeError`` on every rank if any rank's model differs from rank 0's."""
+def _options_of(config: Any) -> dict:
+    """The options that change which collectives a reducer issues, in comparable form."""
+    out = {}
+    for f in dataclasses.fields(config):
+        if f.name == "ignore_parameters":
+            continue  # their effect (which parameters are averaged) is compared below
+        value = getattr(config, f.name)
+        out[f.name] = value.total_seconds() if hasattr(value, "total_seconds") else value
+    return out
+
+
+def _first_difference(ref: dict, other: dict) -> str | None:
+    for key in ref:
+        if ref[key] != other.get(key):
+            return key
+    return None
+
+
+def verify_across_ranks(view: ModelView, group, world_size: int, config: Any = None) -> None:
+    """Raise the same ``RuntimeError`` on every rank if any rank's model or reducer options
+    differ from rank 0's (one ``all_gather_object``)."""
     if world_size == 1:
         return
-    meta = [("parameter", n, tuple(p.shape), tuple(p.stride()), str(p.dtype), p.requires_grad)
-            for n, p in view.state_params]
-    meta += [("buffer", n, tuple(b.shape), tuple(b.stride()), str(b.dtype), False)
-             for n, b in view.buffers]
+    meta = [("parameter", n, tuple(p.shape), tuple(p.stride()), str(p.dtype), p.requires_grad,
+             p.device.type) for n, p in view.state_params]
+    meta += [("buffer", n, tuple(b.shape), tuple(b.stride()), str(b.dtype), False,
+              b.device.type) for n, b in view.buffers]
+    options = _options_of(config) if config is not None else {}
     everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, meta, group=group)
-    ref = everyone[0]
+    dist.all_gather_object(everyone, (options, meta), group=group)
+    ref_options, ref = everyone[0]
     for r in range(1, world_size):
-        other = everyone[r]
+        key = _first_difference(ref_options, everyone[r][0])
+        if key is not None:
+            raise RuntimeError(
+                f"tribucket: the reducer options differ across ranks: {key}="
+                f"{ref_options[key]!r} on rank 0 but {everyone[r][0].get(key)!r} on rank {r}. "
+                "Pass the same options to fused_bucketing on every rank (they decide which "
+                "collectives each rank issues).")
+    for r in range(1, world_size):
+        other = everyone[r][1]
         for k in range(max(len(ref), len(other))):
             a = ref[k] if k < len(ref) else None
             b = other[k] if k < len(other) else None
@@ -101,10 +131,11 @@ def verify_across_ranks(view: ModelView, group, world_size: int) -> None:
                     f"parameters/buffers, rank {r} has {len(other)}; the first extra one is "
                     f"{have[0]} {have[1]!r} with shape {list(have[2])}. Build the same model "
                     "on every rank before entering fused_bucketing.")
-            fields = ["kind", "name", "shape", "stride", "dtype", "requires_grad"]
+            fields = ["kind", "name", "shape", "stride", "dtype", "requires_grad", "device"]
             diff = [f"{f}: {x!r} on rank 0 vs {y!r} on rank {r}"
                     for f, x, y in zip(fields, a, b) if x != y]
             raise RuntimeError(
                 f"tribucket: the model differs across ranks at {a[0]} {a[1]!r} (shape "
                 f"{list(a[2])} on rank 0, {list(b[2])} on rank {r}): {'; '.join(diff)}. Build "
-                "the same model on every rank before entering fused_bucketing.")
+                "the same model on every rank (on one kind of device) before entering "
+                "fused_bucketing.")

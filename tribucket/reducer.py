@@ -98,10 +98,12 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         self._device, self._expect_sparse = view.device, view.expect_sparse
         claim(self, view.names, view.params)  # before any collective: one reducer per param
         try:
+            # same model and options everywhere: checked on the user's group, before the
+            # timed group is created (ranks that disagree on timeout= would not all create it)
+            verify_across_ranks(view, self.process_group, self.world_size, config)
             # the reducer's own collectives: a group with the timeout, failure diagnosis, debug
             self._guard = CommGuard(self.process_group, self.rank, self.world_size,
                                     self._device, config.timeout, config.debug)
-            verify_across_ranks(view, self._guard.group, self.world_size)
             self._broadcast_states(src_rank=0, buffers=config.broadcast_buffers)
         except BaseException:
             release(self, view.params)
