@@ -224,12 +224,12 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         for ref in self._hook_refs:
             ref.reducer = None  # graphs still holding a hook no longer reach the reducer
         self._hook_refs.clear()
-        p, self._pass = self._pass, None
-        if p is not None and p.sync and not self._guard.failed:
-            for h in p.handles:  # finish what is in flight so no peer is left waiting
-                if h is not None and not isinstance(h, torch._C.Future):
-                    with contextlib.suppress(Exception):
-                        h.wait()
+        if self._pass is not None and not self._guard.failed:
+            # a backward that raised (and ended the context): finish its collectives so no
+            # peer is left waiting; the error that ends the context is the user's
+            with contextlib.suppress(Exception):
+                self._settle_abandoned()
+        self._pass = None
 
     def __enter__(self) -> "Reducer":
         return self
@@ -241,6 +241,8 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled():
             return  # evaluation: no collective, so `if rank == 0: evaluate(model)` works
+        if self._pass is not None and torch._C._current_graph_task_id() == -1:
+            self._settle_abandoned()  # outside any backward: the last one raised
         joining = self._join_config.enable
         if joining:
             self._join_work = Join.notify_join_context(self)
@@ -537,6 +539,27 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
             p.handles[b] = invoke(self._hook, self._hook_state, b, gb)
 
     # ------------------------------------------------------------------ end of backward
+    def _settle_abandoned(self) -> None:
+        """Finish a backward pass that raised before its end (a user hook, autograd): issue
+        the collectives it still owed, with zeros, and a status that reports the failure, so
+        peers whose backward completed raise ("another rank reported a problem") instead of
+        pairing these collectives with the next pass's. This rank's user has seen the
+        exception already; the next pass starts clean on every rank."""
+        p, self._pass = self._pass, None
+        if p is None or not p.sync:
+            return  # a no_sync pass issues no collective
+        if not p.any_ready:
+            p.any_ready = True
+            self._first_gradient(p)
+        p.errors.append(f"the previous backward pass (iteration {self._passes}) raised on "
+                        f"rank {self.rank} before its end")
+        self._ready_order = []  # the order of a broken pass is no base for the rebuild
+        missing = [i for i in range(len(self._params)) if not p.ready[i]]
+        for b in range(p.next_bucket, len(p.state)):
+            self._launch(p, b)
+        p.next_bucket = len(p.state)
+        self._exchange_status(p, len(missing) + len(p.errors), self._local_used(p))
+
     def _finalize(self) -> None:
         p, self._pass = self._pass, None
         if p is None or not p.sync:
