@@ -172,3 +172,51 @@ def test_mismatch_across_ranks_is_named_on_every_rank(dist_run, what):
     name = {"device": "meta", "hook": "fp16_compress_hook"}.get(what, what)
     for msg in messages:
         assert msg is not None and name in msg and "rank 1" in msg, msg
+
+
+# ------------------------------------------------------------ 3. ranks at different steps
+def _steps_diverge(kind, debug, model_name="mlp"):
+    rank = dist.get_rank()
+    model = build(model_name)
+    done = []
+    try:
+        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT,
+                                       debug=debug):
+            for step in range(4):
+                model.zero_grad()
+                if kind == "none" and rank == 0:  # evaluation on rank 0 only: not a step
+                    model.eval()
+                    model(batch(model_name, rank, step))
+                    model.train()
+                    with torch.no_grad():
+                        model(batch(model_name, rank, step))
+                loss = loss_of(model(batch(model_name, rank, step)))
+                if kind == "skip" and rank == 1 and step == 1:
+                    continue  # a forward without backward on rank 1
+                loss.backward(retain_graph=True)
+                if kind == "extra" and rank == 1 and step == 0:
+                    loss.backward()  # one more backward on rank 1
+                done.append(_max_error(model, _reference_grads(model_name, step))
+                            if kind == "none" else step)
+    except RuntimeError as e:
+        return done, str(e)
+    return done, None
+
+
+@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("kind", ["skip", "extra"])
+def test_ranks_at_different_steps_raise_on_every_rank(dist_run, kind, debug):
+    results = dist_run(_steps_diverge, kind, debug, world_size=2, timeout=60)
+    for rank, (done, msg) in enumerate(results):
+        assert msg is not None, f"rank {rank} finished without an error: {done}"
+        # named before the mixed gradients reach .grad: the diverged backward did not count
+        assert "forward" in msg and "rank 0" in msg and "rank 1" in msg, msg
+        if debug:
+            assert "diverged" in msg, msg
+    assert results[0][0] == [0], results  # rank 0 completed step 0, then learnt of it
+
+
+def test_same_steps_everywhere_train_normally(dist_run):
+    # eval-mode and no_grad forwards on one rank only are not steps
+    for done, msg in dist_run(_steps_diverge, "none", False, world_size=2):
+        assert msg is None and len(done) == 4 and max(done) < 1e-6, (done, msg)

@@ -85,7 +85,7 @@ class JoinSupport(Joinable):
         # zeros plus the others' gradients: the results are discarded
         _, status, _ = self._exchange_status(p, 0, used)
         if used is not None and cfg.static_graph:
-            self._static_used = (status[self.world_size + 1:] > 0).tolist()
+            self._static_used = self._used_of(status)
         if cfg.static_graph and self._static_counts is None:
             self._static_counts = [1] * len(self._params)
         self.stats.iterations += 1
@@ -107,5 +107,6 @@ class _ReducerJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         # as DDP: the model of the last rank to join (ties: the highest rank) wins
         r = self.reducer
+        r._forwards = 0  # joined ranks ran fewer steps: count steps afresh from here
         src = r._common_rank(is_last_joiner)
         r._broadcast_states(src_rank=src, buffers=r.config.broadcast_buffers)

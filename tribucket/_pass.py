@@ -50,7 +50,7 @@ class _Pass:
 
     __slots__ = ("sync", "ready", "fired", "pending", "state", "next_bucket", "handles",
                  "t_start", "callback_queued", "any_ready", "t_launch", "bytes", "errors",
-                 "scale", "prefix", "chunk_next", "shadow", "status_errors")
+                 "scale", "prefix", "chunk_next", "shadow", "status_errors", "step")
 
     def __init__(self, sync: bool, n_params: int, pending: list[int]):
         self.sync = sync                       # False: no_sync, gradients stay local
@@ -71,3 +71,4 @@ class _Pass:
         self.chunk_next = [0] * len(pending)   # per bucket: next chunk to send (chunked)
         self.shadow = False                    # a Join shadow pass: zeros, no problems
         self.status_errors = 0                 # errors already reported in the status
+        self.step = 0                          # training forwards run before this backward

@@ -1,7 +1,13 @@
 """The end-of-backward status: one small allreduce (or a tail on the last bucket's) that
 tells every rank which ranks missed gradients or misused the reducer, whether any fp16
-gradient overflowed, and (``find_unused_parameters``) the global used map, so an error is
-raised on every rank instead of leaving one waiting in a collective."""
+gradient overflowed, which training step each rank is in, and (``find_unused_parameters``)
+the global used map, so an error is raised on every rank instead of leaving one waiting in a
+collective.
+
+Layout: ``[problems per rank (world) | overflow (1) | step mark per rank (world) | used map]``.
+Each rank writes only its own slots, so the sum is exact even in a bf16 wire buffer (every
+integer up to 256 is a bf16 value): the step mark is ``1 + forwards mod 255``, 0 for "not
+checked" (a Join shadow pass)."""
 
 from __future__ import annotations
 
@@ -21,7 +27,32 @@ class StatusSupport:
     def _status_len(self) -> int:
         cfg = self.config
         used = cfg.find_unused_parameters or cfg.static_graph
-        return self.world_size + 1 + (len(self._params) if used else 0)
+        return 2 * self.world_size + 1 + (len(self._params) if used else 0)
+
+    def _used_of(self, status: torch.Tensor) -> list:
+        """The global used map of a reduced status."""
+        return (status[2 * self.world_size + 1:] > 0).tolist()
+
+    def _check_steps(self, status: torch.Tensor) -> None:
+        """Raise on every rank if the ranks are not in the backward of the same training step.
+
+        The step is the number of training-mode forwards with grad enabled this rank ran
+        before the backward began: a rank that ran a forward without backward, or one more
+        backward, pairs its collectives with another step of its peers."""
+        ws = self.world_size
+        marks = [int(m) for m in status[ws + 1: 2 * ws + 1].tolist()]
+        if len({m for m in marks if m > 0}) <= 1:
+            return
+        seen = ", ".join(f"rank {r}: training forward {m - 1}" for r, m in enumerate(marks)
+                         if m > 0)
+        raise RuntimeError(
+            f"tribucket (rank {self.rank}): the ranks are not in the backward of the same "
+            f"training step ({seen}; counted modulo 255): a rank ran a forward without a "
+            "backward, or one more backward than the others, so their gradients would mix "
+            "two steps. This backward's gradients were not averaged. Run the same forwards "
+            "(in training mode with grad enabled) and backwards on every rank; evaluate under "
+            "torch.no_grad() or model.eval(). debug=True names the first collective that "
+            "differs.")
 
     def _local_used(self, p: _Pass) -> list | None:
         """This rank's used map when the global one is needed this iteration, else None."""
@@ -42,7 +73,7 @@ class StatusSupport:
         if self._piggyback:  # written into the last bucket when it was sent
             results = self._wait_buckets(p)
             return results, self._read_status(), time.perf_counter() - start
-        status = self._status_tensor(problems, used)
+        status = self._status_tensor(problems, used, self._step_mark(p))
         work = None if self._traits.serialize else self._launch_status(status)
         results = self._wait_buckets(p)
         if self._traits.serialize:  # hook callbacks may still be issuing collectives
@@ -56,7 +87,7 @@ class StatusSupport:
         """Write the status into the tail of the last bucket's buffer; return its length."""
         problems = 0 if p.shadow else (len(self._params) - sum(p.ready)) + len(p.errors)
         p.status_errors = len(p.errors)
-        status = self._status_tensor(problems, self._local_used(p))
+        status = self._status_tensor(problems, self._local_used(p), self._step_mark(p))
         n = self._status_len()
         tail = buf.narrow(0, buf.numel() - n, n)
         tail.zero_()
@@ -68,15 +99,21 @@ class StatusSupport:
         n = self._status_len()
         return mem.active.narrow(0, mem.active.numel() - n, n).float().cpu()
 
-    def _status_tensor(self, problems: int, used: list | None) -> torch.Tensor:
-        """``[problems per rank..., overflow flag, used map...]``: one allreduce tells all."""
-        status = torch.zeros(self.world_size + 1 + (len(used) if used is not None else 0),
+    @staticmethod
+    def _step_mark(p: _Pass) -> int:
+        return 0 if p.shadow else 1 + p.step % 255
+
+    def _status_tensor(self, problems: int, used: list | None, step_mark: int) -> torch.Tensor:
+        """``[problems per rank, overflow flag, step mark per rank, used map]``."""
+        ws = self.world_size
+        status = torch.zeros(2 * ws + 1 + (len(used) if used is not None else 0),
                              dtype=torch.float32)
         status[self.rank] = problems
         if self._traits.check_overflow:
-            status[self.world_size] = float(self.found_inf.item())
+            status[ws] = float(self.found_inf.item())
+        status[ws + 1 + self.rank] = step_mark
         if used is not None:
-            status[self.world_size + 1:] = torch.tensor(used, dtype=status.dtype)
+            status[2 * ws + 1:] = torch.tensor(used, dtype=status.dtype)
         return status.to(self._device)
 
     def _launch_status(self, status: torch.Tensor):

@@ -52,6 +52,7 @@ class CommGuard:
         self.timeout, self.debug = timeout, debug
         self.seq = next(_REDUCER_SEQ)
         self.failed = False  # a collective of this reducer failed: the group is unusable
+        self.step = 0  # the training step (forwards) the next collectives belong to
         self.group = process_group
         if world_size > 1 and (timeout is not None or debug):
             # debug fingerprints travel on their own group too, so they never interleave with
@@ -123,8 +124,8 @@ class CommGuard:
         """All-gather what this rank is about to communicate; raise if the ranks differ."""
         if not self.debug or self.world_size == 1:
             return
-        row = torch.tensor([_KINDS[kind], iteration, bucket, numel, _dtype_code(dtype)],
-                           dtype=torch.int64, device=self.device)
+        row = torch.tensor([_KINDS[kind], iteration, bucket, numel, _dtype_code(dtype),
+                            self.step], dtype=torch.int64, device=self.device)
         rows = [torch.empty_like(row) for _ in range(self.world_size)]
         self.wait(dist.all_gather(rows, row, group=self.group, async_op=True),
                   f"debug fingerprint before {kind} {bucket}", iteration)
@@ -133,12 +134,13 @@ class CommGuard:
             return
 
         def describe(t):
-            return (f"{_KIND_NAMES.get(t[0], '?')} {t[2]} of iteration {t[1]} "
-                    f"({t[3]} elements of {_dtype_name(t[4])})")
+            return (f"{_KIND_NAMES.get(t[0], '?')} {t[2]} of iteration {t[1]} after "
+                    f"training forward {t[5]} ({t[3]} elements of {_dtype_name(t[4])})")
 
         lines = "; ".join(f"rank {r}: {describe(t)}" for r, t in enumerate(table))
         raise RuntimeError(
             f"tribucket debug: the ranks diverged at {kind} {bucket} of iteration {iteration} "
             f"(the first collective that differs): {lines}. Their control "
-            "flow differs (a rank skipped a backward, ran one under no_sync, registered another "
-            "hook or built another model), so their collectives no longer pair up.")
+            "flow differs (a rank ran a forward without backward or one more backward, ran "
+            "one under no_sync, registered another hook or built another model), so their "
+            "collectives no longer pair up.")

@@ -132,6 +132,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         self._static_used: list | None = None  # static_graph: global used map
         self._ready_order: list[int] = []      # first synced pass: gradient-ready order
         self._rebuilt = False
+        self._forwards = 0                     # training forwards with grad (the step)
         self._passes = 0                       # backward passes begun (synced or not): the
         # iteration number that fingerprints and failure reports use, equal on every rank
         self._join_work = None                 # Join: the notify allreduce (ranks active)
@@ -250,6 +251,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
                 and self._buffers and self.world_size > 1):
             # under Join rank 0 may have left: agree on the highest rank still training
             src = self._common_rank(True) if joining else 0
+            self._guard.step = self._forwards
             self._guard.fingerprint("buffers", self._passes, 0, len(self._buffers),
                                     None)
             broadcast_coalesced([b.detach() for _, b in self._buffers], src=src,
@@ -261,6 +263,8 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         if not torch.is_grad_enabled():
             return
         sync = self._sync_enabled
+        if module.training:
+            self._forwards += 1  # a training step; compared across ranks at its backward
         self._require_forward_param_sync = sync
         self._fwd_sync = sync
         outs = output_tensors(output)
@@ -290,6 +294,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         self._passes += 1
         p = self._pass = _Pass(sync, len(self._params),
                                [len(b.indices) for b in self._layout.buckets])
+        p.step = self._guard.step = self._forwards
         return p
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
@@ -598,6 +603,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         if self._piggyback and len(p.errors) > p.status_errors:
             # misuse seen after the status was sent with the last bucket: this rank only
             self._raise_missing([], [0.0] * self.world_size, p.errors)
+        self._check_steps(status)  # before the gradients reach .grad
         counts = status[: self.world_size].tolist()
         if sum(counts) > 0:
             self._raise_missing(missing, counts, p.errors)
@@ -605,7 +611,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
             self.found_inf.fill_(1.0 if status[self.world_size].item() > 0 else 0.0)
         global_used = None
         if used is not None:
-            global_used = (status[self.world_size + 1:] > 0).tolist()
+            global_used = self._used_of(status)
             if cfg.static_graph:
                 self._static_used = global_used  # the static graph's used set, once
         elif cfg.static_graph:
