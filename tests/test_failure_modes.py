@@ -220,3 +220,49 @@ def test_same_steps_everywhere_train_normally(dist_run):
     # eval-mode and no_grad forwards on one rank only are not steps
     for done, msg in dist_run(_steps_diverge, "none", False, world_size=2):
         assert msg is None and len(done) == 4 and max(done) < 1e-6, (done, msg)
+
+
+# ------------------------------------------------------------ 6. timeout= covers every hook
+def _never_completes(state, bucket):
+    return torch.futures.Future()  # a hook whose future nobody completes
+
+
+def _hook_with_stalled_peer(kind, timeout_s=2.0):
+    import time
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    rank = dist.get_rank()
+    model = build("mlp")
+    try:
+        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
+                                       timeout=datetime.timedelta(seconds=timeout_s)) as red:
+            if kind == "allreduce":
+                red.register_comm_hook(None, default_hooks.allreduce_hook)
+            elif kind == "powersgd":
+                red.register_comm_hook(psgd.PowerSGDState(process_group=None,
+                                                          start_powerSGD_iter=2),
+                                       psgd.powerSGD_hook)
+            else:
+                red.register_comm_hook(None, _never_completes)
+            for step in range(5):
+                if step == 3 and rank == 1 and kind != "never":
+                    time.sleep(timeout_s * 3)  # stalls past the others' timeout
+                    return "slept", time.monotonic()
+                loss_of(model(batch("mlp", rank, step))).backward()
+    except RuntimeError as e:
+        return str(e), time.monotonic()
+    return "no error", time.monotonic()
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "powersgd", "never"])
+def test_timeout_bounds_every_hook(dist_run, kind):
+    # without the bound, the hooks' collectives wait for the default group's 300 s
+    results = dist_run(_hook_with_stalled_peer, kind, world_size=2, timeout=60, teardown=True)
+    waiting = results if kind == "never" else results[:1]
+    for message, raised_at in waiting:
+        assert "tribucket" in message and "did not complete" in message, message
+        assert "bucket" in message, message
+        if kind != "never":
+            assert "rank 1" in message, message  # names the rank that fell behind
+            assert raised_at < results[1][1], (message, results[1])  # while it still slept

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
+import threading
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,15 @@ class CommGuard:
                                         backend=dist.get_backend(process_group),
                                         use_local_synchronization=True, **kwargs)
         self.dedicated = self.group is not process_group
+        # where torch's hooks given no group (state None, PowerSGDState(process_group=None))
+        # send their collectives when timeout= is set: a group of its own, because their
+        # callbacks may launch collectives from another thread (PowerSGD), which must not
+        # interleave with the reducer's debug fingerprints
+        self.hook_group = None
+        if world_size > 1 and timeout is not None:
+            self.hook_group = dist.new_group(dist.get_process_group_ranks(process_group),
+                                             backend=dist.get_backend(process_group),
+                                             use_local_synchronization=True, timeout=timeout)
         self._store = None
         if timeout is not None and world_size > 1:
             try:
@@ -117,6 +127,21 @@ class CommGuard:
                 f"tribucket (rank {self.rank}): {what} did not complete: {first}."
                 f"{self._who_is_behind(iteration)} The process group cannot be used any more; "
                 "end the job (torchrun restarts it) and resume from a checkpoint.") from e
+
+    def wait_future(self, fut, what: str, iteration: int):
+        """``fut.wait()`` bounded by the timeout (a Future has none of its own): a hook
+        future that does not complete in time fails with the diagnosis of :meth:`wait`."""
+        if self.timeout is not None and not fut.done():
+            done = threading.Event()
+            fut.add_done_callback(lambda _: done.set())
+            if not done.wait(self.timeout.total_seconds()):
+                self.failed = True
+                raise RuntimeError(
+                    f"tribucket (rank {self.rank}): {what} did not complete: timed out after "
+                    f"{self.timeout}.{self._who_is_behind(iteration)} The process group cannot "
+                    "be used any more; end the job (torchrun restarts it) and resume from a "
+                    "checkpoint.")
+        return self.wait(fut, what, iteration)
 
     # ----------------------------------------------------------------- debug fingerprints
     def fingerprint(self, kind: str, iteration: int, bucket: int, numel: int,

@@ -51,7 +51,7 @@ from ._watchdog import CommGuard
 from .comm import broadcast_coalesced
 from .config import ReducerConfig
 from .grad_bucket import GradBucket
-from .hooks import _hook_traits
+from .hooks import _hook_traits, _torch_single_collective_hooks
 from .layout import BucketLayout
 
 __all__ = ["Reducer", "ReducerStats", "fused_bucketing"]
@@ -207,11 +207,28 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
                 f"{hook_name(hook)} packs gradients straight into a {traits.wire_dtype} wire "
                 "buffer, so there is no full-precision bucket for .grad to view: use "
                 "gradient_as_bucket_view=False with fused compression hooks")
+        state = self._lend_timed_group(hook, state)
         self._hook, self._hook_state, self._traits = hook, state, traits
         if traits.chunkable:  # the reducer sends it itself, on the group the state names
             named = getattr(state, "process_group", None) if not isinstance(
                 state, dist.ProcessGroup) else state
             self._chunk_group = named if named is not None else self._guard.group
+
+    def _lend_timed_group(self, hook: Callable, state: Any) -> Any:
+        """With ``timeout=``: the state a torch hook gets so its collectives go to a group
+        with that timeout where it would use the default group (``state=None`` for the
+        hooks whose state is the process group; a state whose ``process_group`` is None)."""
+        group = self._guard.hook_group
+        if group is None:
+            return state
+        if state is None and hook in _torch_single_collective_hooks():
+            return group  # their state *is* the process group; None means the default one
+        if (state is not None and not isinstance(state, dist.ProcessGroup)
+                and getattr(state, "process_group", False) is None
+                and getattr(hook, "_tribucket_traits", None) is None):
+            state.process_group = group  # e.g. PowerSGDState(process_group=None)
+            self._lent_to = state  # given back at close()
+        return state
 
     def close(self) -> None:
         """Detach from the model: remove every hook, finish pending communication."""
@@ -219,6 +236,9 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
             return
         self._closed = True
         release(self, self._params)
+        lent, self._lent_to = getattr(self, "_lent_to", None), None
+        if lent is not None:
+            lent.process_group = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -636,12 +656,8 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
             bucket = self._layout.buckets[b]
             what = f"bucket {b} ({len(bucket.indices)} tensors, {bucket.numel} elements)"
             if isinstance(h, torch._C.Future):
-                try:
-                    value = h.wait()
-                except Exception as e:
-                    self._guard.failed = True
-                    raise RuntimeError(f"tribucket (rank {self.rank}): comm hook "
-                                       f"{hook_name(self._hook)} failed on {what}: {e}") from e
+                value = self._guard.wait_future(h, f"comm hook {hook_name(self._hook)} on "
+                                                f"{what}", it)
                 results.append(check_result(self._hook, b, bucket, value))
             elif isinstance(h, list):  # sent by the reducer (whole or in chunks)
                 for work in h:
