@@ -239,6 +239,8 @@ def _hook_with_stalled_peer(kind, timeout_s=2.0):
                                        timeout=datetime.timedelta(seconds=timeout_s)) as red:
             if kind == "allreduce":
                 red.register_comm_hook(None, default_hooks.allreduce_hook)
+            elif kind == "gossip":
+                red.register_comm_hook(hooks.GossipState(), hooks.gossip_hook)
             elif kind == "powersgd":
                 red.register_comm_hook(psgd.PowerSGDState(process_group=None,
                                                           start_powerSGD_iter=2),
@@ -255,7 +257,7 @@ def _hook_with_stalled_peer(kind, timeout_s=2.0):
     return "no error", time.monotonic()
 
 
-@pytest.mark.parametrize("kind", ["allreduce", "powersgd", "never"])
+@pytest.mark.parametrize("kind", ["allreduce", "powersgd", "never", "gossip"])
 def test_timeout_bounds_every_hook(dist_run, kind):
     # without the bound, the hooks' collectives wait for the default group's 300 s
     results = dist_run(_hook_with_stalled_peer, kind, world_size=2, timeout=60, teardown=True)
@@ -266,3 +268,90 @@ def test_timeout_bounds_every_hook(dist_run, kind):
         if kind != "never":
             assert "rank 1" in message, message  # names the rank that fell behind
             assert raised_at < results[1][1], (message, results[1])  # while it still slept
+
+
+# ------------------------------------------------------------ 13. failure reports
+def _stall_mid_backward(timeout_s=2.0):
+    import time
+
+    rank = dist.get_rank()
+    model = build("mlp")
+    woke = []
+
+    def stall(g):  # rank 1 stalls in the middle of its backward, after some buckets left
+        time.sleep(timeout_s * 3)
+        woke.append(time.monotonic())
+        return g
+    try:
+        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
+                                       timeout=datetime.timedelta(seconds=timeout_s)):
+            for step in range(4):
+                handle = (model.layers[2].weight.register_hook(stall)
+                          if step == 2 and rank == 1 else None)
+                loss_of(model(batch("mlp", rank, step))).backward()
+                if handle is not None:
+                    handle.remove()
+    except RuntimeError as e:
+        return str(e), time.monotonic(), woke
+    return None, time.monotonic(), woke
+
+
+def test_stall_mid_backward_names_the_rank(dist_run):
+    results = dist_run(_stall_mid_backward, world_size=2, timeout=60, teardown=True)
+    message, raised_at, _ = results[0]
+    assert message is not None and "did not complete" in message, message
+    assert "rank 1" in message and "not finished" in message, message
+    assert raised_at < results[1][2][0], (raised_at, results[1])  # while rank 1 still slept
+
+
+def _rank0_dies_with_tcp_store():
+    import io
+    import socket
+    import sys
+
+    rank = dist.get_rank()
+    port = [None]
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port[0] = s.getsockname()[1]
+    dist.broadcast_object_list(port, src=0)
+    # the rendezvous store torchrun gives: a TCPStore hosted by rank 0
+    store = dist.TCPStore("127.0.0.1", port[0], 2, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=10))
+    model = build("mlp")
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
+                                   timeout=datetime.timedelta(seconds=3)) as reducer:
+        reducer._guard._store = store
+        for step in range(2):
+            loss_of(model(batch("mlp", rank, step))).backward()
+        dist.barrier()
+        if rank == 0:
+            os._exit(7)
+        # rank 1: capture what the process writes on its stderr (C++ warnings included)
+        sys.stderr.flush()
+        saved = os.dup(2)
+        with tempfile.TemporaryFile() as err:
+            os.dup2(err.fileno(), 2)
+            try:
+                loss_of(model(batch("mlp", rank, 2))).backward()
+                message = None
+            except RuntimeError as e:
+                message = str(e)
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                os.close(saved)
+            err.seek(0)
+            printed = err.read().decode(errors="replace")
+        del io
+        return message, printed
+
+
+def test_dead_rank0_gives_a_short_message(dist_run):
+    results = dist_run(_rank0_dies_with_tcp_store, world_size=2, timeout=60, teardown=True,
+                       expect_dead=(0,))
+    message, printed = results[1]
+    assert message is not None and "did not complete" in message, message
+    assert "rank 0" in message and "frame #" not in message, message
+    assert "frame #" not in printed and "TCPStore" not in printed, printed

@@ -14,9 +14,13 @@ diverged get an error naming the first differing bucket instead of a deadlock.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import logging
+import os
+import sys
+import tempfile
 import threading
 
 import torch
@@ -25,6 +29,62 @@ import torch.distributed as dist
 __all__ = ["CommGuard"]
 
 logger = logging.getLogger("tribucket")
+
+def _describe_progress(seen: int | None) -> str:
+    if seen is None:
+        return "never started a backward"
+    if seen % 2:
+        return f"last finished backward iteration {seen // 2}"
+    return f"started backward iteration {seen // 2} but has not finished it"
+
+
+def _first_line(e: BaseException) -> str:
+    """The cause of a backend error, without gloo's generic advice or a C++ trace."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    first = text.splitlines()[0]
+    cut = first.find(" This is typically caused by")
+    return first[:cut] if cut > 0 else first
+
+
+@contextlib.contextmanager
+def _quiet_store_errors():
+    """Keep the C++ stack trace that a TCPStore prints on stderr when its host (rank 0) is
+    gone out of the output: the reducer's own message says what happened. What else is
+    printed meanwhile passes through."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no stderr to guard
+        yield
+        return
+    global _capture
+    if _capture is None:
+        _capture = tempfile.TemporaryFile()  # one per process: a store call costs two dup2
+    _capture.seek(0)
+    _capture.truncate()
+    os.dup2(_capture.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        if _capture.tell() or os.fstat(_capture.fileno()).st_size:
+            _capture.seek(0)
+            kept = [line for line in _capture.read().decode(errors="replace").splitlines(True)
+                    if not _is_store_trace(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+
+
+_capture = None  # the file that _quiet_store_errors points stderr at
+
+
+def _is_store_trace(line: str) -> bool:
+    return (line.startswith(("frame #", "Exception raised from", "<omitting python frames>"))
+            or "TCPStore.cpp" in line or not line.strip())
+
 
 # Reducers are created in the same order on every rank, so this names them consistently.
 _REDUCER_SEQ = itertools.count()
@@ -86,12 +146,16 @@ class CommGuard:
     def _key(self, rank: int) -> str:
         return f"tribucket/{self.seq}/progress/{rank}"
 
-    def mark_progress(self, iteration: int) -> None:
-        """Record in the rendezvous store that this rank started backward ``iteration``."""
+    def mark_progress(self, iteration: int, finished: bool = False) -> None:
+        """Record in the rendezvous store that this rank started (``finished``: reached the
+        end of) backward ``iteration``: ``2 * iteration + finished``, so progress compares
+        as one number."""
         if self._store is None:
             return
+        self._mine = 2 * iteration + int(finished)
         try:
-            self._store.set(self._key(self.rank), str(iteration))
+            with _quiet_store_errors():
+                self._store.set(self._key(self.rank), str(self._mine))
         except Exception:  # the store is gone (rank 0 died): diagnosis will say so
             pass
 
@@ -99,20 +163,21 @@ class CommGuard:
         if self._store is None:
             return (" Pass timeout=datetime.timedelta(...) to fused_bucketing to have it name "
                     "the missing rank and fail at that timeout.")
+        mine = max(getattr(self, "_mine", 0), 2 * iteration)
         try:
             behind = []
-            for r in range(self.world_size):
-                if r == self.rank:
-                    continue
-                key = self._key(r)
-                seen = int(self._store.get(key)) if self._store.check([key]) else None
-                if seen is None or seen < iteration:
-                    behind.append(f"rank {r} (last started backward "
-                                  f"{'never' if seen is None else f'iteration {seen}'})")
+            with _quiet_store_errors():
+                for r in range(self.world_size):
+                    if r == self.rank:
+                        continue
+                    key = self._key(r)
+                    seen = int(self._store.get(key)) if self._store.check([key]) else None
+                    if seen is None or seen < mine:
+                        behind.append(f"rank {r} ({_describe_progress(seen)})")
             if behind:
                 return (f" This rank is in iteration {iteration}; behind it: "
                         f"{', '.join(behind)} - it crashed, stalled, or left the training loop.")
-            return " Every rank reached this iteration: a rank failed inside it."
+            return " Every rank reached this point: a rank failed inside it."
         except Exception:
             return " The rendezvous store is unreachable too: rank 0 (which hosts it) may be dead."
 
@@ -122,11 +187,17 @@ class CommGuard:
             return work.wait()
         except Exception as e:
             self.failed = True
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise RuntimeError(
-                f"tribucket (rank {self.rank}): {what} did not complete: {first}."
-                f"{self._who_is_behind(iteration)} The process group cannot be used any more; "
-                "end the job (torchrun restarts it) and resume from a checkpoint.") from e
+            cause = _first_line(e)
+            if self.timeout is not None and ("timeout" in cause.lower()
+                                             or "timed out" in cause.lower()):
+                cause = f"timed out after {self.timeout} ({cause})"
+            raise self._failure(what, cause, iteration) from e
+
+    def _failure(self, what: str, cause: str, iteration: int) -> RuntimeError:
+        return RuntimeError(
+            f"tribucket (rank {self.rank}): {what} did not complete: {cause}."
+            f"{self._who_is_behind(iteration)} The process group cannot be used any more; "
+            "end the job (torchrun restarts it) and resume from a checkpoint.")
 
     def wait_future(self, fut, what: str, iteration: int):
         """``fut.wait()`` bounded by the timeout (a Future has none of its own): a hook
@@ -136,11 +207,7 @@ class CommGuard:
             fut.add_done_callback(lambda _: done.set())
             if not done.wait(self.timeout.total_seconds()):
                 self.failed = True
-                raise RuntimeError(
-                    f"tribucket (rank {self.rank}): {what} did not complete: timed out after "
-                    f"{self.timeout}.{self._who_is_behind(iteration)} The process group cannot "
-                    "be used any more; end the job (torchrun restarts it) and resume from a "
-                    "checkpoint.")
+                raise self._failure(what, f"timed out after {self.timeout}", iteration)
         return self.wait(fut, what, iteration)
 
     # ----------------------------------------------------------------- debug fingerprints

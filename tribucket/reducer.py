@@ -594,6 +594,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
             # w.r.t. inputs): nothing to average, no collective
             return
         t_end = time.perf_counter()
+        self._guard.mark_progress(self._passes, finished=True)
         cfg = self.config
         if cfg.static_graph and self._static_counts is None:
             # the first iteration of a static graph: learn the hook counts, launch all
