@@ -355,3 +355,103 @@ def test_dead_rank0_gives_a_short_message(dist_run):
     assert message is not None and "did not complete" in message, message
     assert "rank 0" in message and "frame #" not in message, message
     assert "frame #" not in printed and "TCPStore" not in printed, printed
+
+
+# ------------------------------------------------------------ 4. resumed state
+def _hook_for(kind):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    if kind == "powersgd":
+        return (psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                   start_powerSGD_iter=2, random_seed=5), psgd.powerSGD_hook)
+    return None, None
+
+
+def _train_resumable(kind, steps, start, path, save_at=None, load_from=None, via="torch"):
+    """Train ``steps`` steps from ``start``; save at ``save_at``; before training, load the
+    checkpoint of step ``load_from[rank]`` (None: this rank loads nothing)."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = dist.get_rank()
+    model = build("mlp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT) as reducer:
+        state, hook = _hook_for(kind)
+        if hook is not None:
+            reducer.register_comm_hook(state, hook)
+        at = None if load_from is None else load_from[rank]
+        if at is not None:
+            saved = torch.load(f"{path}.{at}.{rank}", weights_only=False)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            if via == "dcp":
+                target = {"reducer": reducer.state_dict()}  # a fresh reducer's: other sizes
+                dcp.load(target, checkpoint_id=f"{path}.{at}.dcp")
+                reducer.load_state_dict(target["reducer"])
+            else:
+                reducer.load_state_dict(saved["reducer"])
+        for step in range(start, start + steps):
+            loss_of(model(batch("mlp", rank, step))).backward()
+            opt.step()
+            opt.zero_grad()
+            if step + 1 == save_at or (save_at == "every"):
+                n = step + 1
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                            "reducer": reducer.state_dict()}, f"{path}.{n}.{rank}")
+                if via == "dcp":
+                    dcp.save({"reducer": reducer.state_dict()}, checkpoint_id=f"{path}.{n}.dcp")
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def _try_train_resumable(*args, **kwargs):
+    try:
+        return _train_resumable(*args, **kwargs)
+    except (RuntimeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("load_from,field", [((3, None), "rebuilt layout"),
+                                             ((3, 2), "iterations")])
+def test_resume_from_different_states_is_named_on_every_rank(dist_run, load_from, field):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        dist_run(_train_resumable, "default", 3, 0, path, "every", world_size=2)
+        results = dist_run(_try_train_resumable, "default", 2, 3, path, load_from=load_from,
+                           world_size=2, timeout=60)
+    for msg in results:
+        assert isinstance(msg, str) and "differ across ranks" in msg, msg
+        assert field in msg and "rank 1" in msg and "load_state_dict" in msg, msg
+
+
+def _load_rank0_powersgd(path):
+    rank = dist.get_rank()
+    model = build("mlp")
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001) as reducer:
+        state, hook = _hook_for("powersgd")
+        reducer.register_comm_hook(state, hook)
+        saved = torch.load(f"{path}.3.0", weights_only=False)  # the usual habit: rank 0's
+        try:
+            reducer.load_state_dict(saved["reducer"])
+        except ValueError as e:
+            return str(e)
+        return None if rank == 0 else "loaded"
+
+
+def test_per_rank_hook_state_is_not_loaded_on_another_rank(dist_run):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        dist_run(_train_resumable, "powersgd", 3, 0, path, 3, world_size=2)
+        results = dist_run(_load_rank0_powersgd, path, world_size=2)
+    assert results[0] is None  # rank 0 loads its own state
+    assert "saved by rank 0 of 2" in results[1] and "rank 1" in results[1], results[1]
+
+
+@pytest.mark.parametrize("kind", ["default", "powersgd"])
+def test_state_loads_with_distributed_checkpoint(dist_run, kind):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        straight = dist_run(_train_resumable, kind, 6, 0, path, world_size=2)
+        dist_run(_train_resumable, kind, 3, 0, path, 3, via="dcp", world_size=2)
+        resumed = dist_run(_train_resumable, kind, 3, 3, path, load_from=(3, 3), via="dcp",
+                           world_size=2)
+    for a, b in zip(straight, resumed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))  # bit for bit

@@ -66,6 +66,8 @@ class JoinSupport(Joinable):
         self._passes += 1
         if not sync:
             return
+        if self._agree_pending:
+            self._agree_on_state()  # as the first backward of the ranks still training
         if not self._allocated:
             self._allocate()
         p = _Pass(True, len(self._params), [len(b.indices) for b in self._layout.buckets])

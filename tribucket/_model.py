@@ -12,7 +12,7 @@ from torch import nn
 
 from ._tags import is_expert_parallel
 
-__all__ = ["ModelView", "inspect_model", "verify_across_ranks"]
+__all__ = ["ModelView", "inspect_model", "verify_across_ranks", "verify_state_across_ranks"]
 
 
 @dataclass
@@ -96,6 +96,28 @@ def _first_difference(ref: dict, other: dict) -> str | None:
     return None
 
 
+def _raise_if_differ(everyone: list, what: str, fix: str, show=repr) -> None:
+    """Raise the same ``RuntimeError`` on every rank naming the first field of rank 0's dict
+    that another rank has otherwise (``everyone``: the all-gathered dicts)."""
+    for r in range(1, len(everyone)):
+        key = _first_difference(everyone[0], everyone[r])
+        if key is not None:
+            raise RuntimeError(
+                f"tribucket: {what} differ across ranks: {key}={show(everyone[0][key])} on "
+                f"rank 0 but {show(everyone[r].get(key))} on rank {r}. {fix}")
+
+
+def verify_state_across_ranks(summary: dict, group, world_size: int, fix: str) -> None:
+    """All-gather ``summary`` (field -> comparable value) and raise on every rank if a rank's
+    differs from rank 0's, naming the field."""
+    if world_size == 1:
+        return
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, summary, group=group)
+    _raise_if_differ(everyone, "the reducer's state and comm hook", fix,
+                     show=lambda v: repr(v) if len(repr(v)) < 80 else f"{repr(v)[:60]}...")
+
+
 def verify_across_ranks(view: ModelView, group, world_size: int, config: Any = None) -> None:
     """Raise the same ``RuntimeError`` on every rank if any rank's model or reducer options
     differ from rank 0's (one ``all_gather_object``)."""
@@ -108,15 +130,10 @@ def verify_across_ranks(view: ModelView, group, world_size: int, config: Any = N
     options = _options_of(config) if config is not None else {}
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, (options, meta), group=group)
-    ref_options, ref = everyone[0]
-    for r in range(1, world_size):
-        key = _first_difference(ref_options, everyone[r][0])
-        if key is not None:
-            raise RuntimeError(
-                f"tribucket: the reducer options differ across ranks: {key}="
-                f"{ref_options[key]!r} on rank 0 but {everyone[r][0].get(key)!r} on rank {r}. "
-                "Pass the same options to fused_bucketing on every rank (they decide which "
-                "collectives each rank issues).")
+    _raise_if_differ([e[0] for e in everyone], "the reducer options",
+                     "Pass the same options to fused_bucketing on every rank (they decide "
+                     "which collectives each rank issues).")
+    ref = everyone[0][1]
     for r in range(1, world_size):
         other = everyone[r][1]
         for k in range(max(len(ref), len(other))):

@@ -142,6 +142,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         self._handles: list = []
         self._hook_refs: list[HookRef] = []
         self._closed = False
+        self._agree_pending = self.world_size > 1  # compare hook and state at 1st backward
         self._backward_start_ref = self._hook_ref("_on_backward_start")
         self._attach()
 
@@ -361,6 +362,8 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
 
     def _first_gradient(self, p: _Pass) -> None:
         """The first parameter gradient of a synchronised pass: buffers, unused params."""
+        if self._agree_pending:
+            self._agree_on_state()  # before the first bucket: one all-gather, then never
         if not self._allocated:
             self._allocate()
         self._guard.mark_progress(self._passes)
