@@ -305,7 +305,6 @@ def test_stall_mid_backward_names_the_rank(dist_run):
 
 
 def _rank0_dies_with_tcp_store():
-    import io
     import socket
     import sys
 
@@ -344,7 +343,6 @@ def _rank0_dies_with_tcp_store():
                 os.close(saved)
             err.seek(0)
             printed = err.read().decode(errors="replace")
-        del io
         return message, printed
 
 
