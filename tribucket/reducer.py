@@ -238,7 +238,8 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         self._closed = True
         release(self, self._params)
         lent, self._lent_to = getattr(self, "_lent_to", None), None
-        if lent is not None:
+        if lent is not None and not self._guard.failed:
+            # (after a failure a callback may still run: it must not reach the default group)
             lent.process_group = None
         for h in self._handles:
             h.remove()
