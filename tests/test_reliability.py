@@ -145,11 +145,13 @@ def _diverged(kind):
 @pytest.mark.parametrize("kind", ["no_sync", "hooks"])
 def test_debug_names_first_differing_bucket(dist_run, kind):
     messages = dist_run(_diverged, kind, world_size=2, timeout=60)
+    if kind == "hooks":  # caught before any bucket: the first backward compares the hooks
+        for msg in messages:
+            assert msg is not None and "fp16_compress_hook" in msg and "rank 1" in msg, msg
+        return
     for msg in messages:
         assert msg is not None and "diverged" in msg and "bucket 0" in msg, msg
         assert "rank 0:" in msg and "rank 1:" in msg
-    if kind == "hooks":
-        assert "float16" in messages[0] and "float32" in messages[0]
 
 
 def _debug_logs_bucket_timings():

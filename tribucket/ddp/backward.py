@@ -25,6 +25,7 @@ import torch
 from .. import kernels
 from ..config import ReducerConfig
 from ..layout import BucketLayout
+from . import resume
 from .bucket import BucketState, Comm, DenseBucket, GradHook, SparseBucket
 from .compat import CommTimings
 from .join import JoinFlags
@@ -84,6 +85,8 @@ class Backward:
         self.static_used: list | None = None   # static_graph: global used map
         self.ready_order: list[int] = []       # first synced pass: gradient-ready order
         self.rebuilt = False
+        self.forwards = 0                      # training forwards with grad (the step)
+        self.agree_pending = self.world_size > 1  # compare hook and state at 1st backward
         self.passes = 0                        # backward passes begun (synced or not): the
         # iteration number that fingerprints and failure reports use, equal on every rank
         self.join_work = None                  # Join: the notify allreduce (ranks active)
@@ -108,6 +111,7 @@ class Backward:
         self.fwd_sync = None
         self.passes += 1
         p = self.pass_ = Pass(sync, len(self.params), self.passes)
+        p.step = self.guard.step = self.forwards
         return p
 
     def on_grad_ready(self, index: int) -> None:
@@ -144,6 +148,8 @@ class Backward:
 
     def _first_gradient(self, p: Pass) -> None:
         """The first parameter gradient of a synchronised pass: buckets, unused params."""
+        if self.agree_pending:
+            self.agree_on_state()  # before the first bucket: one all-gather, then never
         if not self.allocated:
             self.allocate()
         for bucket in self.buckets:
@@ -269,6 +275,7 @@ class Backward:
             # w.r.t. inputs): nothing to average, no collective
             return
         t_end = time.perf_counter()
+        self.guard.mark_progress(p.iteration, finished=True)
         cfg = self.config
         if cfg.static_graph and self.static_counts is None:
             # the first iteration of a static graph: learn the hook counts, launch all
@@ -290,6 +297,7 @@ class Backward:
         if self.piggyback and len(p.errors) > p.status_errors:
             # misuse seen after the status was sent with the last bucket: this rank only
             self.status.raise_problems([], [0.0] * self.world_size, p.errors)
+        self.status.check_steps(status)  # before the gradients reach .grad
         counts = self.status.problems(status)
         if sum(counts) > 0:
             missing = [self.names[i] for i in range(len(self.params)) if not p.ready[i]]
@@ -341,14 +349,16 @@ class Backward:
         problems = 0 if p.shadow else p.ready.count(0) + len(p.errors)
         p.status_errors = len(p.errors)
         return self.status.write_tail(
-            buf, self.status.tensor(problems, self._overflow(), self._local_used(p)))
+            buf, self.status.tensor(problems, self._overflow(), self._local_used(p),
+                                    self.status.step_mark(p)))
 
     def _exchange_status(self, p: Pass, problems: int,
                          used: list | None) -> tuple[list, torch.Tensor, float]:
         last = self.buckets[-1].mem if self.piggyback else None
         return self.status.exchange(
             self.buckets, None if last is None else last.active,
-            lambda: self.status.tensor(problems, self._overflow(), used),
+            lambda: self.status.tensor(problems, self._overflow(), used,
+                                       self.status.step_mark(p)),
             self.comm.traits.serialize, p.iteration)
 
     def rebuild(self, order: list[int]) -> None:
@@ -361,6 +371,8 @@ class Backward:
 
     def shadow_pass(self) -> None:
         """A Join shadow pass: send zeros in every bucket, agree on the status, discard."""
+        if self.agree_pending:
+            self.agree_on_state()  # as the first backward of the ranks still training
         if not self.allocated:
             self.allocate()
         p = Pass(True, len(self.params), self.passes)
@@ -380,13 +392,45 @@ class Backward:
                 cfg.static_graph and self.stats.iterations < 2):
             self.rebuild(list(range(len(self.params))))
 
-    def finish_in_flight(self) -> tuple | None:
-        """Wait for every launched bucket (``close()``); the first (bucket, error), if any."""
-        p, self.pass_ = self.pass_, None
-        if p is None or not p.sync or self.guard.failed:
+    def finish_in_flight(self) -> Exception | None:
+        """``close()``: settle the pass left unfinished (see :meth:`settle_abandoned`) so no
+        peer is left waiting; the error that raised, if any."""
+        if self.pass_ is None or self.guard.failed:
+            self.pass_ = None
             return None
-        errors = [(b, e) for b in self.buckets if (e := b.wait_quietly()) is not None]
-        return errors[0] if errors else None
+        try:
+            self.settle_abandoned()
+        except Exception as e:  # noqa: BLE001 - reported by close()
+            return e
+        return None
+
+    def settle_abandoned(self) -> None:
+        """Finish a backward pass that raised before its end (a user hook, autograd): issue
+        the collectives it still owed, with zeros, and a status that reports the failure, so
+        peers whose backward completed raise ("another rank reported a problem") instead of
+        pairing these collectives with the next pass's. This rank's user has seen the
+        exception already; the next pass starts clean on every rank."""
+        p, self.pass_ = self.pass_, None
+        if p is None or not p.sync:
+            return  # a no_sync pass issues no collective
+        if not p.any_ready:
+            p.any_ready = True
+            self._first_gradient(p)
+        p.errors.append(f"the previous backward pass (iteration {p.iteration}) raised on "
+                        f"rank {self.rank} before its end")
+        self.ready_order = []  # the order of a broken pass is no base for the rebuild
+        for b in range(p.next_bucket, len(self.buckets)):
+            self.buckets[b].launch(p, self.comm, self.found_inf_arg)
+        p.next_bucket = len(self.buckets)
+        self._exchange_status(p, p.ready.count(0) + len(p.errors), self._local_used(p))
+
+    def agree_on_state(self) -> None:
+        """At the first synchronised backward after entering or loading: every rank must hold
+        the same layout, iteration count, comm hook and hook schedule (one all-gather)."""
+        self.agree_pending = False
+        resume.agree_across_ranks(self.comm.hook, self.comm.hook_state, self.comm.traits,
+                                  self.layout, self.rebuilt, self.stats.iterations,
+                                  (self.static_counts, self.static_used), self.guard)
 
     def _log_buckets(self, seconds: list[float]) -> None:
         for b, (bucket, s) in enumerate(zip(self.layout.buckets, seconds)):

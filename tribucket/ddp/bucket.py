@@ -132,12 +132,9 @@ class _HookResult:
         self.guard, self.what = guard, what
 
     def wait(self) -> torch.Tensor:
-        try:
-            value = self.future.wait()
-        except Exception as e:
-            self.guard.failed = True
-            raise RuntimeError(f"tribucket (rank {self.guard.rank}): comm hook "
-                               f"{hook_name(self.hook)} failed on {self.what}: {e}") from e
+        # bounded by timeout= (a Future has no timeout of its own), with the diagnosis
+        value = self.guard.wait_future(self.future, f"comm hook {hook_name(self.hook)} on "
+                                       f"{self.what}", 0)
         return check_result(self.hook, self.index, self.spec, value)
 
 

@@ -50,7 +50,14 @@ def invoke_after(prev: torch.futures.Future | None, hook: Callable, state: Any, 
         except Exception as e:  # noqa: BLE001 - handed to the waiting main thread
             chain.set_exception(e)
 
-    def call(_prev: Any = None) -> None:
+    def call(prev_fut: Any = None) -> None:
+        if prev_fut is not None:
+            try:
+                prev_fut.value()
+            except Exception as e:  # noqa: BLE001 - no more collectives after a failure
+                chain.set_exception(RuntimeError(f"comm hook {name} was not called on bucket "
+                                                 f"{b}: the previous bucket failed: {e}"))
+                return
         try:
             fut = hook(state, gb)
             if not isinstance(fut, torch._C.Future):
@@ -60,10 +67,10 @@ def invoke_after(prev: torch.futures.Future | None, hook: Callable, state: Any, 
             chain.set_exception(RuntimeError(f"comm hook {name} raised on bucket {b}: "
                                              f"{type(e).__name__}: {e}"))
 
-    if prev is None or prev.done():
+    if prev is None:
         call()
     else:
-        prev.add_done_callback(call)
+        prev.add_done_callback(call)  # runs at once if prev is done
     return chain
 
 

@@ -55,5 +55,6 @@ class ReducerJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         # as DDP: the model of the last rank to join (ties: the highest rank) wins
         r = self.reducer
+        r._bw.forwards = 0  # joined ranks ran fewer steps: count steps afresh from here
         src = r._join_flags.common_rank(is_last_joiner, r._bw.passes)
         r._broadcast_states(src_rank=src, buffers=r.config.broadcast_buffers)

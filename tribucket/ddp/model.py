@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -10,7 +12,8 @@ from torch import nn
 
 from .._tags import expert_replica_group, is_expert_parallel
 
-__all__ = ["ModelView", "expert_replica_sets", "inspect_model", "verify_across_ranks"]
+__all__ = ["ModelView", "expert_replica_sets", "inspect_model", "verify_across_ranks",
+           "verify_state_across_ranks"]
 
 
 @dataclass
@@ -99,19 +102,64 @@ def expert_replica_sets(module: nn.Module, ignore_parameters: tuple) -> list[tup
     return list(sets.values())
 
 
-def verify_across_ranks(view: ModelView, group, world_size: int) -> None:
-    """Raise the same ``RuntimeError`` on every rank if any rank's model differs from rank 0's."""
+def _options_of(config: Any) -> dict:
+    """The options that change which collectives a reducer issues, in comparable form."""
+    out = {}
+    for f in dataclasses.fields(config):
+        if f.name == "ignore_parameters":
+            continue  # their effect (which parameters are averaged) is compared below
+        value = getattr(config, f.name)
+        out[f.name] = value.total_seconds() if hasattr(value, "total_seconds") else value
+    return out
+
+
+def _first_difference(ref: dict, other: dict) -> str | None:
+    for key in ref:
+        if ref[key] != other.get(key):
+            return key
+    return None
+
+
+def _raise_if_differ(everyone: list, what: str, fix: str, show=repr) -> None:
+    """Raise the same ``RuntimeError`` on every rank naming the first field of rank 0's dict
+    that another rank has otherwise (``everyone``: the all-gathered dicts)."""
+    for r in range(1, len(everyone)):
+        key = _first_difference(everyone[0], everyone[r])
+        if key is not None:
+            raise RuntimeError(
+                f"tribucket: {what} differ across ranks: {key}={show(everyone[0][key])} on "
+                f"rank 0 but {show(everyone[r].get(key))} on rank {r}. {fix}")
+
+
+def verify_state_across_ranks(summary: dict, group, world_size: int, fix: str) -> None:
+    """All-gather ``summary`` (field -> comparable value) and raise on every rank if a rank's
+    differs from rank 0's, naming the field."""
     if world_size == 1:
         return
-    meta = [("parameter", n, tuple(p.shape), tuple(p.stride()), str(p.dtype), p.requires_grad)
-            for n, p in view.state_params]
-    meta += [("buffer", n, tuple(b.shape), tuple(b.stride()), str(b.dtype), False)
-             for n, b in view.buffers]
     everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, meta, group=group)
-    ref = everyone[0]
+    dist.all_gather_object(everyone, summary, group=group)
+    _raise_if_differ(everyone, "the reducer's state and comm hook", fix,
+                     show=lambda v: repr(v) if len(repr(v)) < 80 else f"{repr(v)[:60]}...")
+
+
+def verify_across_ranks(view: ModelView, group, world_size: int, config: Any = None) -> None:
+    """Raise the same ``RuntimeError`` on every rank if any rank's model or reducer options
+    differ from rank 0's (one ``all_gather_object``)."""
+    if world_size == 1:
+        return
+    meta = [("parameter", n, tuple(p.shape), tuple(p.stride()), str(p.dtype), p.requires_grad,
+             p.device.type) for n, p in view.state_params]
+    meta += [("buffer", n, tuple(b.shape), tuple(b.stride()), str(b.dtype), False,
+              b.device.type) for n, b in view.buffers]
+    options = _options_of(config) if config is not None else {}
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, (options, meta), group=group)
+    _raise_if_differ([e[0] for e in everyone], "the reducer options",
+                     "Pass the same options to fused_bucketing on every rank (they decide "
+                     "which collectives each rank issues).")
+    ref = everyone[0][1]
     for r in range(1, world_size):
-        other = everyone[r]
+        other = everyone[r][1]
         for k in range(max(len(ref), len(other))):
             a = ref[k] if k < len(ref) else None
             b = other[k] if k < len(other) else None
@@ -124,10 +172,11 @@ def verify_across_ranks(view: ModelView, group, world_size: int) -> None:
                     f"parameters/buffers, rank {r} has {len(other)}; the first extra one is "
                     f"{have[0]} {have[1]!r} with shape {list(have[2])}. Build the same model "
                     "on every rank before entering fused_bucketing.")
-            fields = ["kind", "name", "shape", "stride", "dtype", "requires_grad"]
+            fields = ["kind", "name", "shape", "stride", "dtype", "requires_grad", "device"]
             diff = [f"{f}: {x!r} on rank 0 vs {y!r} on rank {r}"
                     for f, x, y in zip(fields, a, b) if x != y]
             raise RuntimeError(
                 f"tribucket: the model differs across ranks at {a[0]} {a[1]!r} (shape "
                 f"{list(a[2])} on rank 0, {list(b[2])} on rank {r}): {'; '.join(diff)}. Build "
-                "the same model on every rank before entering fused_bucketing.")
+                "the same model on every rank (on one kind of device) before entering "
+                "fused_bucketing.")

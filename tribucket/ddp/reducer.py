@@ -22,11 +22,12 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from .._env import describe_backend
 from ..comm import broadcast_coalesced
 from ..config import ReducerConfig
-from ..hooks import _hook_traits
+from ..hooks import _hook_traits, _torch_single_collective_hooks
 from ..layout import BucketLayout
 from . import resume
 from .backward import Backward
 from .bucket import Comm
+from .claims import claim, release
 from .compat import DDPCompat, bucket_sizes, logging_data
 from .graph import output_tensors, reachable_parameters
 from .hookcall import HookRef, hook_name
@@ -74,11 +75,19 @@ class Reducer(DDPCompat, Joinable):
         self._state_params, self._buffers = view.state_params, view.buffers
         self._names, self._params = view.names, view.params
         self._device = view.device
-        # the reducer's own collectives: a group with the timeout, failure diagnosis, debug
-        self._guard = CommGuard(self.process_group, self.rank, self.world_size, self._device,
-                                config.timeout, config.debug)
-        verify_across_ranks(view, self._guard.group, self.world_size)
-        self._broadcast_states(src_rank=0, buffers=config.broadcast_buffers)
+        claim(self, view.names, view.params)  # before any collective: one reducer per param
+        try:
+            # same model and options everywhere: checked on the user's group, before the
+            # timed group is created (ranks that disagree on timeout= would not all create it)
+            verify_across_ranks(view, self.process_group, self.world_size, config)
+            # the reducer's own collectives: a group with the timeout, failure diagnosis, debug
+            self._guard = CommGuard(self.process_group, self.rank, self.world_size,
+                                    self._device, config.timeout, config.debug)
+            self._broadcast_states(src_rank=0, buffers=config.broadcast_buffers)
+        except BaseException:
+            release(self, view.params)
+            raise
+        self._lent_to = None  # a hook state given the timed group (given back at close)
 
         # how buckets are communicated (register_comm_hook may replace the hook)
         self._comm = Comm(self._guard, None, None, _hook_traits(None, None), self._guard.group,
@@ -174,6 +183,7 @@ class Reducer(DDPCompat, Joinable):
                 "buffer, so there is no full-precision bucket for .grad to view: use "
                 "gradient_as_bucket_view=False with fused compression hooks")
         comm = self._comm
+        state = self._lend_timed_group(hook, state)
         comm.hook, comm.hook_state, comm.traits = hook, state, traits
         if traits.chunkable:  # the reducer sends it itself, on the group the state names
             named = getattr(state, "process_group", None) if not isinstance(
@@ -193,6 +203,22 @@ class Reducer(DDPCompat, Joinable):
         return logging_data(self, self._params, self._comm.hook, self._initial_sizes,
                             bw.unused, bw.rebuilt, bw.timings)
 
+    def _lend_timed_group(self, hook: Callable, state: Any) -> Any:
+        """With ``timeout=``: the state a torch hook gets so its collectives go to a group
+        with that timeout where it would use the default group (``state=None`` for the
+        hooks whose state is the process group; a state whose ``process_group`` is None)."""
+        group = self._guard.hook_group
+        if group is None:
+            return state
+        if state is None and hook in _torch_single_collective_hooks():
+            return group  # their state *is* the process group; None means the default one
+        if (state is not None and not isinstance(state, dist.ProcessGroup)
+                and getattr(state, "process_group", False) is None
+                and getattr(hook, "_tribucket_traits", None) is None):
+            state.process_group = group  # e.g. PowerSGDState(process_group=None)
+            self._lent_to = state
+        return state
+
     def state_dict(self) -> dict:
         """What a resumed run needs: the (rebuilt) layout, the iteration count, hook state."""
         bw = self._bw
@@ -200,20 +226,24 @@ class Reducer(DDPCompat, Joinable):
                         passes=bw.passes, static_counts=bw.static_counts,
                         static_used=bw.static_used)
         return resume.state_dict(self._names, bw.layout, progress, self._comm.hook,
-                                 self._comm.hook_state)
+                                 self._comm.hook_state, self.rank, self.world_size)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` into a reducer over the same model (before training).
+        """Restore :meth:`state_dict` into a reducer over the same model, on every rank,
+        before the first backward.
 
         Register the same comm hook (with a fresh state object) before loading, so its
         state — the gossip schedule, PowerSGD's error feedback and random state — is
-        restored too.
+        restored too. The first backward checks that every rank loaded the same state.
         """
         bw = self._bw
-        if bw.pass_ is not None:
-            raise RuntimeError("load_state_dict cannot run during a backward pass")
+        if bw.pass_ is not None or bw.passes > 0:
+            raise RuntimeError("load_state_dict must be called before the first backward pass "
+                               "(on every rank), right after entering fused_bucketing and "
+                               "registering the comm hook")
         bw.layout, progress = resume.read_state_dict(
-            state, self._names, self._params, self._comm.hook, self._comm.hook_state)
+            state, self._names, self._params, self._comm.hook, self._comm.hook_state,
+            self.rank, self.world_size)
         bw.rebuilt = progress["rebuilt"]
         bw.static_counts, bw.static_used = progress["static_counts"], progress["static_used"]
         bw.ready_order = []
@@ -221,6 +251,7 @@ class Reducer(DDPCompat, Joinable):
         bw.stats.rebuilds = int(bw.rebuilt)
         bw.stats.buckets = len(bw.layout.buckets)
         bw.allocated = False  # buckets follow the restored layout at the next backward
+        bw.agree_pending = True
 
     def close(self) -> None:
         """Detach from the model: remove every hook, finish the communication in flight.
@@ -238,20 +269,24 @@ class Reducer(DDPCompat, Joinable):
         if self._bw.closed:
             return
         self._bw.closed = True
+        release(self, self._params)
+        lent, self._lent_to = self._lent_to, None
+        if lent is not None and not self._guard.failed:
+            # (after a failure a callback may still run: it must not reach the default group)
+            lent.process_group = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
         for ref in [*self._hook_refs, *self._bw.grad_hooks]:
             ref.detach()  # graphs still holding a hook no longer reach the reducer
         self._hook_refs.clear()
-        failed = self._bw.finish_in_flight()  # so no peer is left waiting
+        e = self._bw.finish_in_flight()  # so no peer is left waiting
         for r in self.expert_reducers:
             r._close(raise_errors)
-        if failed is None:
+        if e is None:
             return
-        b, e = failed
         message = (f"tribucket (rank {self.rank}): close() finished the communication in "
-                   f"flight, and that of {b.describe()} failed: {e}")
+                   f"flight, and it failed: {e}")
         if raise_errors:
             raise RuntimeError(message) from e
         logger.error("%s", message)
@@ -285,6 +320,9 @@ class Reducer(DDPCompat, Joinable):
                     self._broadcast_buffers(lambda: 0)
                 self._require_forward_param_sync = False
             return
+        if self._bw.pass_ is not None and torch._C._current_graph_task_id() == -1:
+            self._bw.settle_abandoned()  # outside any backward: the last one raised
+        self._guard.step = self._bw.forwards
         if joining:
             self._bw.join_work = Join.notify_join_context(self)
         if self._require_forward_param_sync:
@@ -307,6 +345,8 @@ class Reducer(DDPCompat, Joinable):
             return
         bw = self._bw
         sync = bw.sync_enabled
+        if module.training:
+            bw.forwards += 1  # a training step; compared across ranks at its backward
         self._require_forward_param_sync = sync
         bw.fwd_sync = sync
         outs = output_tensors(output)

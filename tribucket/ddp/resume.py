@@ -1,39 +1,57 @@
 """Resumable reducer state: what a run restored from a checkpoint needs to continue bit for
-bit (the rebuilt layout, the iteration count, the comm hook's state)."""
+bit (the rebuilt layout, the iteration count, the comm hook's state), and the check, at the
+first backward after entering or loading, that every rank holds the same.
+
+The state is plain values (lists, ints, strings, bytes) with no tensor whose size depends
+on the run, so ``torch.distributed.checkpoint`` can load it into a fresh reducer's
+``state_dict()`` as well as ``torch.load`` can. The comm hook's state goes under
+``hook_state`` when it is the same on every rank (tribucket's hooks) and under
+``hook_state.rank<r>`` when it is the rank's own (torch's ``PowerSGDState``: error feedback
+of the rank's gradients): a rank never loads another rank's.
+"""
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..layout import BucketLayout
 from .hookcall import hook_name
+from .model import verify_state_across_ranks
 
-__all__ = ["state_dict", "read_state_dict"]
+__all__ = ["state_dict", "read_state_dict", "agree_across_ranks"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+_SHARED_KEY = "hook_state"
 
 
 def state_dict(names: list[str], layout: BucketLayout, progress: dict, hook: Any,
-               hook_state: Any) -> dict:
+               hook_state: Any, rank: int, world_size: int) -> dict:
     """What a resumed run needs: the (rebuilt) layout, the progress counters, hook state.
     ``progress``: ``rebuilt``, ``iterations``, ``passes``, ``static_counts``, ``static_used``."""
-    return {
+    state = {
         "version": _STATE_VERSION,
+        "world_size": world_size,
         "parameter_names": list(names),
-        "layout": layout.to_tensor(),
+        "layout": layout.to_tensor().tolist(),
         **progress,
         "hook": hook_name(hook),
-        "hook_state": hook_state_dict(hook_state),
     }
+    saved = hook_state_dict(hook_state)
+    if saved is not None:
+        state[_hook_key(hook_state, rank)] = _to_bytes(
+            {"rank": rank, "world_size": world_size, "state": saved})
+    return state
 
 
 def read_state_dict(state: dict, names: list[str], params: list, hook: Any,
-                    hook_state: Any) -> tuple[BucketLayout, dict]:
-    """Check ``state`` against this reducer's parameters and hook; restore the hook's state;
-    return the layout and the progress counters."""
-    if state.get("version") != _STATE_VERSION:
+                    hook_state: Any, rank: int, world_size: int) -> tuple[BucketLayout, dict]:
+    """Check ``state`` against this reducer's parameters, hook and rank; restore the hook's
+    state; return the layout and the progress counters."""
+    if state.get("version") not in (1, _STATE_VERSION):
         raise ValueError(f"reducer state version {state.get('version')!r} is not supported "
                          f"(expected {_STATE_VERSION})")
     if state["parameter_names"] != names:
@@ -45,12 +63,77 @@ def read_state_dict(state: dict, names: list[str], params: list, hook: Any,
     if state["hook"] != hook_name(hook):
         raise ValueError(f"the saved state was taken with comm hook {state['hook']}; "
                          f"register it (currently {hook_name(hook)}) before loading")
-    layout = BucketLayout.from_tensor(state["layout"], params)
+    hook_saved = _hook_state_to_load(state, hook, hook_state, rank, world_size)
+    layout = BucketLayout.from_tensor(torch.as_tensor(state["layout"]), params)
     progress = dict(rebuilt=bool(state["rebuilt"]), iterations=int(state["iterations"]),
                     passes=int(state.get("passes", state["iterations"])),
                     static_counts=state["static_counts"], static_used=state["static_used"])
-    load_hook_state(hook_state, state.get("hook_state"))
+    load_hook_state(hook_state, hook_saved)
     return layout, progress
+
+
+def _hook_state_to_load(state: dict, hook: Any, hook_state: Any, rank: int,
+                        world_size: int) -> Any:
+    """The hook state this rank must load; raise if the checkpoint holds another rank's or
+    another world size's."""
+    if state.get("version") == 1:
+        return state.get("hook_state")
+    mine = _hook_key(hook_state, rank)
+    found = [k for k in state if k == _SHARED_KEY or k.startswith(_SHARED_KEY + ".rank")]
+    if not found:
+        return None
+    if mine not in state:
+        other = _from_bytes(state[found[0]])
+        raise ValueError(
+            f"the comm hook state in this checkpoint was saved by rank {other['rank']} of "
+            f"{other['world_size']}; this is rank {rank}, and the state of {hook_name(hook)} "
+            "is each rank's own (its error feedback is of that rank's gradients). Save "
+            "reducer.state_dict() on every rank (a file per rank, or "
+            "torch.distributed.checkpoint) and load each rank's own.")
+    entry = _from_bytes(state[mine])
+    if entry["world_size"] != world_size:
+        raise ValueError(
+            f"the comm hook state was saved with world size {entry['world_size']}; this run "
+            f"has {world_size} ranks. Resume with the same world size, or register a fresh "
+            "hook state without loading it.")
+    return entry["state"]
+
+
+def agree_across_ranks(hook: Any, hook_state: Any, traits: Any, layout: BucketLayout,
+                       rebuilt: bool, iterations: int, static_record: tuple, guard) -> None:
+    """Raise on every rank, naming the field, unless every rank has the same comm hook, wire
+    dtype, layout, iteration count, static-graph record and hook schedule (one all-gather)."""
+    summary = {
+        "comm hook": hook_name(hook),
+        "wire dtype": str(traits.wire_dtype),
+        "rebuilt layout": rebuilt,
+        "buckets": len(layout.buckets),
+        "layout": layout.to_tensor().tolist(),
+        "iterations": iterations,
+        "static_graph record": static_record,
+        "hook state iteration": getattr(hook_state, "iteration",
+                                        getattr(hook_state, "iter", None)),
+    }
+    verify_state_across_ranks(
+        summary, guard.group, guard.world_size,
+        "Register the same comm hook on every rank, and call load_state_dict on every rank "
+        "with the same checkpoint (or on none).")
+
+
+def _hook_key(state: Any, rank: int) -> str:
+    """``hook_state`` for a state every rank shares, ``hook_state.rank<r>`` for a rank's own."""
+    shared = type(state).__module__.startswith("tribucket.")
+    return _SHARED_KEY if shared else f"{_SHARED_KEY}.rank{rank}"
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def hook_state_dict(state: Any) -> Any:

@@ -45,7 +45,7 @@ class Pass:
 
     __slots__ = ("sync", "ready", "fired", "next_bucket", "t_start", "callback_queued",
                  "any_ready", "bytes", "errors", "scale", "shadow", "status_errors",
-                 "record_order", "iteration", "plain")
+                 "record_order", "iteration", "plain", "step")
 
     def __init__(self, sync: bool, n_params: int, iteration: int):
         self.sync = sync                       # False: no_sync, gradients stay local
@@ -62,5 +62,6 @@ class Pass:
         self.shadow = False                    # a Join shadow pass: zeros, no problems
         self.status_errors = 0                 # errors already reported in the status
         self.record_order = False              # append ready parameters to the rebuild order
+        self.step = 0                          # training forwards run before this backward
         self.plain = False                     # a gradient needs only to be counted in:
         # synced, first gradient seen, no hook counts, no used map, no order to record

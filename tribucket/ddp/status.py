@@ -3,7 +3,11 @@ tells every rank which ranks missed gradients or misused the reducer, whether an
 gradient overflowed, and (when needed) the global used map, so an error is raised on every
 rank instead of leaving one waiting in a collective.
 
-Layout of the status vector: ``[problems per rank..., overflow flag, used map...]``.
+Layout of the status vector:
+``[problems per rank (world) | overflow (1) | step mark per rank (world) | used map]``.
+Each rank writes only its own slots, so the sum is exact even in a bf16 wire buffer (every
+integer up to 256 is a bf16 value): the step mark is ``1 + forwards mod 255`` (the training
+step, see :meth:`Status.check_steps`), 0 for "not checked" (a Join shadow pass).
 """
 
 from __future__ import annotations
@@ -28,16 +32,24 @@ class Status:
         self.device = device
         # room for the used map (find_unused_parameters or static_graph): the length is
         # fixed, so the tail of the last bucket can hold it
-        self.length = world_size + 1 + (n_params if with_used_map else 0)
+        self.length = 2 * world_size + 1 + (n_params if with_used_map else 0)
 
-    def tensor(self, problems: int, overflow: float, used: list | None) -> torch.Tensor:
+    @staticmethod
+    def step_mark(p) -> int:
+        """What this rank writes in its step slot for pass ``p``."""
+        return 0 if p.shadow else 1 + p.step % 255
+
+    def tensor(self, problems: int, overflow: float, used: list | None,
+               step_mark: int = 0) -> torch.Tensor:
         """This rank's status; ``used`` (0/1 per parameter) or None when not needed."""
-        status = torch.zeros(self.world_size + 1 + (len(used) if used is not None else 0),
+        ws = self.world_size
+        status = torch.zeros(2 * ws + 1 + (len(used) if used is not None else 0),
                              dtype=torch.float32)
         status[self.rank] = problems
-        status[self.world_size] = overflow
+        status[ws] = overflow
+        status[ws + 1 + self.rank] = step_mark
         if used is not None:
-            status[self.world_size + 1:] = torch.tensor(used, dtype=status.dtype)
+            status[2 * ws + 1:] = torch.tensor(used, dtype=status.dtype)
         return status.to(self.device)
 
     def write_tail(self, buf: torch.Tensor, status: torch.Tensor) -> int:
@@ -93,7 +105,28 @@ class Status:
         return status[self.world_size].item() > 0
 
     def used(self, status: torch.Tensor) -> list[bool]:
-        return (status[self.world_size + 1:] > 0).tolist()
+        return (status[2 * self.world_size + 1:] > 0).tolist()
+
+    def check_steps(self, status: torch.Tensor) -> None:
+        """Raise on every rank if the ranks are not in the backward of the same training step.
+
+        The step is the number of training-mode forwards with grad enabled this rank ran
+        before the backward began: a rank that ran a forward without backward, or one more
+        backward, pairs its collectives with another step of its peers."""
+        ws = self.world_size
+        marks = [int(m) for m in status[ws + 1: 2 * ws + 1].tolist()]
+        if len({m for m in marks if m > 0}) <= 1:
+            return
+        seen = ", ".join(f"rank {r}: training forward {m - 1}" for r, m in enumerate(marks)
+                         if m > 0)
+        raise RuntimeError(
+            f"tribucket (rank {self.rank}): the ranks are not in the backward of the same "
+            f"training step ({seen}; counted modulo 255): a rank ran a forward without a "
+            "backward, or one more backward than the others, so their gradients would mix "
+            "two steps. This backward's gradients were not averaged. Run the same forwards "
+            "(in training mode with grad enabled) and backwards on every rank; evaluate under "
+            "torch.no_grad() or model.eval(). debug=True names the first collective that "
+            "differs.")
 
     def raise_problems(self, missing_names: list[str], counts: list[float],
                        errors: list[str]) -> None:

@@ -14,9 +14,14 @@ diverged get an error naming the first differing bucket instead of a deadlock.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import logging
+import os
+import sys
+import tempfile
+import threading
 
 import torch
 import torch.distributed as dist
@@ -24,6 +29,62 @@ import torch.distributed as dist
 __all__ = ["CommGuard"]
 
 logger = logging.getLogger("tribucket")
+
+def _describe_progress(seen: int | None) -> str:
+    if seen is None:
+        return "never started a backward"
+    if seen % 2:
+        return f"last finished backward iteration {seen // 2}"
+    return f"started backward iteration {seen // 2} but has not finished it"
+
+
+def _first_line(e: BaseException) -> str:
+    """The cause of a backend error, without gloo's generic advice or a C++ trace."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    first = text.splitlines()[0]
+    cut = first.find(" This is typically caused by")
+    return first[:cut] if cut > 0 else first
+
+
+@contextlib.contextmanager
+def _quiet_store_errors():
+    """Keep the C++ stack trace that a TCPStore prints on stderr when its host (rank 0) is
+    gone out of the output: the reducer's own message says what happened. What else is
+    printed meanwhile passes through."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no stderr to guard
+        yield
+        return
+    global _capture
+    if _capture is None:
+        _capture = tempfile.TemporaryFile()  # one per process: a store call costs two dup2
+    _capture.seek(0)
+    _capture.truncate()
+    os.dup2(_capture.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        if _capture.tell() or os.fstat(_capture.fileno()).st_size:
+            _capture.seek(0)
+            kept = [line for line in _capture.read().decode(errors="replace").splitlines(True)
+                    if not _is_store_trace(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+
+
+_capture = None  # the file that _quiet_store_errors points stderr at
+
+
+def _is_store_trace(line: str) -> bool:
+    return (line.startswith(("frame #", "Exception raised from", "<omitting python frames>"))
+            or "TCPStore.cpp" in line or not line.strip())
+
 
 # Reducers are created in the same order on every rank, so this names them consistently.
 _REDUCER_SEQ = itertools.count()
@@ -52,6 +113,7 @@ class CommGuard:
         self.timeout, self.debug = timeout, debug
         self.seq = next(_REDUCER_SEQ)
         self.failed = False  # a collective of this reducer failed: the group is unusable
+        self.step = 0  # the training step (forwards) the next collectives belong to
         self.group = process_group
         if world_size > 1 and (timeout is not None or debug):
             # debug fingerprints travel on their own group too, so they never interleave with
@@ -65,6 +127,15 @@ class CommGuard:
         # on different groups (expert replica groups) never share a key
         self._global = (dist.get_process_group_ranks(process_group) if world_size > 1
                         else [rank])
+        # where torch's hooks given no group (state None, PowerSGDState(process_group=None))
+        # send their collectives when timeout= is set: a group of its own, because their
+        # callbacks may launch collectives from another thread (PowerSGD), which must not
+        # interleave with the reducer's debug fingerprints
+        self.hook_group = None
+        if world_size > 1 and timeout is not None:
+            self.hook_group = dist.new_group(dist.get_process_group_ranks(process_group),
+                                             backend=dist.get_backend(process_group),
+                                             use_local_synchronization=True, timeout=timeout)
         self._store = None
         if timeout is not None and world_size > 1:
             try:
@@ -79,12 +150,16 @@ class CommGuard:
     def _key(self, rank: int) -> str:
         return f"tribucket/{self.seq}/progress/{self._global[rank]}"
 
-    def mark_progress(self, iteration: int) -> None:
-        """Record in the rendezvous store that this rank started backward ``iteration``."""
+    def mark_progress(self, iteration: int, finished: bool = False) -> None:
+        """Record in the rendezvous store that this rank started (``finished``: reached the
+        end of) backward ``iteration``: ``2 * iteration + finished``, so progress compares
+        as one number."""
         if self._store is None:
             return
+        self._mine = 2 * iteration + int(finished)
         try:
-            self._store.set(self._key(self.rank), str(iteration))
+            with _quiet_store_errors():
+                self._store.set(self._key(self.rank), str(self._mine))
         except Exception:  # the store is gone (rank 0 died): diagnosis will say so
             pass
 
@@ -92,20 +167,21 @@ class CommGuard:
         if self._store is None:
             return (" Pass timeout=datetime.timedelta(...) to fused_bucketing to have it name "
                     "the missing rank and fail at that timeout.")
+        mine = max(getattr(self, "_mine", 0), 2 * iteration)
         try:
             behind = []
-            for r in range(self.world_size):
-                if r == self.rank:
-                    continue
-                key = self._key(r)
-                seen = int(self._store.get(key)) if self._store.check([key]) else None
-                if seen is None or seen < iteration:
-                    behind.append(f"rank {self._global[r]} (last started backward "
-                                  f"{'never' if seen is None else f'iteration {seen}'})")
+            with _quiet_store_errors():
+                for r in range(self.world_size):
+                    if r == self.rank:
+                        continue
+                    key = self._key(r)
+                    seen = int(self._store.get(key)) if self._store.check([key]) else None
+                    if seen is None or seen < mine:
+                        behind.append(f"rank {self._global[r]} ({_describe_progress(seen)})")
             if behind:
                 return (f" This rank is in iteration {iteration}; behind it: "
                         f"{', '.join(behind)} - it crashed, stalled, or left the training loop.")
-            return " Every rank reached this iteration: a rank failed inside it."
+            return " Every rank reached this point: a rank failed inside it."
         except Exception:
             return " The rendezvous store is unreachable too: rank 0 (which hosts it) may be dead."
 
@@ -115,11 +191,28 @@ class CommGuard:
             return work.wait()
         except Exception as e:
             self.failed = True
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise RuntimeError(
-                f"tribucket (rank {self.rank}): {what} did not complete: {first}."
-                f"{self._who_is_behind(iteration)} The process group cannot be used any more; "
-                "end the job (torchrun restarts it) and resume from a checkpoint.") from e
+            cause = _first_line(e)
+            if self.timeout is not None and ("timeout" in cause.lower()
+                                             or "timed out" in cause.lower()):
+                cause = f"timed out after {self.timeout} ({cause})"
+            raise self._failure(what, cause, iteration) from e
+
+    def _failure(self, what: str, cause: str, iteration: int) -> RuntimeError:
+        return RuntimeError(
+            f"tribucket (rank {self.rank}): {what} did not complete: {cause}."
+            f"{self._who_is_behind(iteration)} The process group cannot be used any more; "
+            "end the job (torchrun restarts it) and resume from a checkpoint.")
+
+    def wait_future(self, fut, what: str, iteration: int):
+        """``fut.wait()`` bounded by the timeout (a Future has none of its own): a hook
+        future that does not complete in time fails with the diagnosis of :meth:`wait`."""
+        if self.timeout is not None and not fut.done():
+            done = threading.Event()
+            fut.add_done_callback(lambda _: done.set())
+            if not done.wait(self.timeout.total_seconds()):
+                self.failed = True
+                raise self._failure(what, f"timed out after {self.timeout}", iteration)
+        return self.wait(fut, what, iteration)
 
     # ----------------------------------------------------------------- debug fingerprints
     def fingerprint(self, kind: str, iteration: int, bucket: int, numel: int,
@@ -127,8 +220,8 @@ class CommGuard:
         """All-gather what this rank is about to communicate; raise if the ranks differ."""
         if not self.debug or self.world_size == 1:
             return
-        row = torch.tensor([_KINDS[kind], iteration, bucket, numel, _dtype_code(dtype)],
-                           dtype=torch.int64, device=self.device)
+        row = torch.tensor([_KINDS[kind], iteration, bucket, numel, _dtype_code(dtype),
+                            self.step], dtype=torch.int64, device=self.device)
         rows = [torch.empty_like(row) for _ in range(self.world_size)]
         self.wait(dist.all_gather(rows, row, group=self.group, async_op=True),
                   f"debug fingerprint before {kind} {bucket}", iteration)
@@ -137,12 +230,13 @@ class CommGuard:
             return
 
         def describe(t):
-            return (f"{_KIND_NAMES.get(t[0], '?')} {t[2]} of iteration {t[1]} "
-                    f"({t[3]} elements of {_dtype_name(t[4])})")
+            return (f"{_KIND_NAMES.get(t[0], '?')} {t[2]} of iteration {t[1]} after "
+                    f"training forward {t[5]} ({t[3]} elements of {_dtype_name(t[4])})")
 
         lines = "; ".join(f"rank {r}: {describe(t)}" for r, t in enumerate(table))
         raise RuntimeError(
             f"tribucket debug: the ranks diverged at {kind} {bucket} of iteration {iteration} "
             f"(the first collective that differs): {lines}. Their control "
-            "flow differs (a rank skipped a backward, ran one under no_sync, registered another "
-            "hook or built another model), so their collectives no longer pair up.")
+            "flow differs (a rank ran a forward without backward or one more backward, ran "
+            "one under no_sync, registered another hook or built another model), so their "
+            "collectives no longer pair up.")

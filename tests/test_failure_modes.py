@@ -1,0 +1,456 @@
+"""Failure modes of the reducer: each test reproduces a way a run went silently wrong or hung
+(a backward that raised, two reducers on one model, ranks whose steps diverged, a partial
+resume, a hook that never completes, a model on another device, mismatched options) and
+checks that every rank now either gets the dense reference's gradients or raises a clear
+error. Every call runs under the pool's timeout, so a hang fails the test."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tribucket
+from tribucket import hooks
+from models import batch, build, loss_of
+
+TIMEOUT = datetime.timedelta(seconds=4)
+
+
+def _reference_grads(model_name, step, seed=0):
+    """The dense reference: every rank's gradient of its batch on a plain copy, averaged."""
+    ref = build(model_name, seed)
+    loss_of(ref(batch(model_name, dist.get_rank(), step))).backward()
+    grads = [p.grad.detach().clone() for p in ref.parameters()]
+    for g in grads:
+        dist.all_reduce(g)
+        g.div_(dist.get_world_size())
+    return grads
+
+
+def _max_error(model, grads):
+    return max((p.grad - g).abs().max().item() if p.grad is not None else float("inf")
+               for p, g in zip(model.parameters(), grads))
+
+
+def _outcome(fn):
+    """('ok', value) or ('error', message) of one call."""
+    try:
+        return "ok", fn()
+    except RuntimeError as e:
+        return "error", str(e)
+
+
+def _assert_never_mixed(results, steps):
+    """Each step either matched the reference on every rank or raised on every rank."""
+    for s in range(steps):
+        kinds = {r[s][0] for r in results}
+        assert len(kinds) == 1, f"step {s}: ranks disagree: {[r[s] for r in results]}"
+        if kinds == {"ok"}:
+            errs = [r[s][1] for r in results]
+            assert max(errs) < 1e-6, f"step {s}: gradients differ from the reference: {errs}"
+
+
+# ------------------------------------------------------------ 1. a backward that raised
+def _backward_raises(raising):
+    rank = dist.get_rank()
+    model = build("mlp")
+    out = []
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT):
+        # step 0: a user hook in the middle of the model raises on the ranks in `raising`
+        def boom(g):
+            raise ValueError("user hook failed")
+        handle = model.layers[3].weight.register_hook(boom) if rank in raising else None
+        try:
+            loss_of(model(batch("mlp", rank, 0))).backward()
+            out.append(("ok", None))
+        except (ValueError, RuntimeError) as e:  # the user catches it and goes on
+            out.append(("error", f"{type(e).__name__}: {e}"))
+        if handle is not None:
+            handle.remove()
+        for step in (1, 2, 3):
+            model.zero_grad()
+
+            def one():
+                loss_of(model(batch("mlp", rank, step))).backward()
+                return _max_error(model, _reference_grads("mlp", step))
+            out.append(_outcome(one))
+    return out
+
+
+@pytest.mark.parametrize("raising", [(0, 1), (1,)])
+def test_backward_that_raised_never_mixes(dist_run, raising):
+    results = dist_run(_backward_raises, raising, world_size=2, timeout=60)
+    for rank, steps in enumerate(results):
+        # the failed step raised on every rank: where the hook raised, the user's error;
+        # elsewhere the reducer's, naming the rank that failed
+        kind, msg = steps[0]
+        assert kind == "error", (rank, steps[0])
+        if rank not in raising:
+            assert "RuntimeError" in msg and "rank 1: " in msg, msg
+    _assert_never_mixed([r[1:] for r in results], 3)
+    # and the next steps are clean passes on every rank: the reducer recovered
+    assert all(kind == "ok" for r in results for kind, _ in r[1:]), results
+
+
+# ------------------------------------------------------------ 2. two reducers, one model
+def _two_reducers(kind):
+    model = build("mlp")
+    first = tribucket.Reducer(model)
+    try:
+        if kind == "twice":
+            tribucket.Reducer(model)
+        elif kind == "nested":
+            with tribucket.fused_bucketing(model.layers[2]):
+                pass
+        elif kind == "disjoint":  # the expert-parallel pattern: another reducer, other params
+            first.close()
+            head = ["head.weight", "head.bias"]
+            with tribucket.fused_bucketing(model, ignore_parameters=head), \
+                    tribucket.fused_bucketing(model.head):
+                loss_of(model(batch("mlp", dist.get_rank(), 0))).backward()
+                return _max_error(model, _reference_grads("mlp", 0))
+        elif kind == "closed":  # closing releases the claim
+            first.close()
+            with tribucket.fused_bucketing(model):
+                loss_of(model(batch("mlp", dist.get_rank(), 0))).backward()
+                return _max_error(model, _reference_grads("mlp", 0))
+    except ValueError as e:
+        return str(e)
+    finally:
+        first.close()
+    return None
+
+
+@pytest.mark.parametrize("kind", ["twice", "nested"])
+def test_second_reducer_on_the_same_parameters_raises(dist_run, kind):
+    for msg in dist_run(_two_reducers, kind, world_size=2):
+        assert msg is not None and "already averaged by another reducer" in msg, msg
+        # names the first shared parameter (by its name in the second reducer's module)
+        assert ("'layers.0.weight'" if kind == "twice" else "'weight'") in msg, msg
+
+
+@pytest.mark.parametrize("kind", ["disjoint", "closed"])
+def test_reducers_on_disjoint_parameters_average_once(dist_run, kind):
+    for err in dist_run(_two_reducers, kind, world_size=2):
+        assert err < 1e-6, err
+
+
+# ------------------------------------------------------------ 10, 12: the entry check
+def _entry_mismatch(what):
+    rank = dist.get_rank()
+    model = build("mlp")
+    options = dict(bucket_cap_mb=0.001)
+    if what == "device" and rank == 1:
+        model = model.to("meta")
+    elif what == "find_unused_parameters" and rank == 1:
+        options["find_unused_parameters"] = True
+    elif what == "static_graph" and rank == 1:
+        options["static_graph"] = True
+    elif what == "bucket_cap_mb" and rank == 1:
+        options["bucket_cap_mb"] = 0.002
+    elif what == "timeout" and rank == 1:
+        options["timeout"] = TIMEOUT
+    try:
+        with tribucket.fused_bucketing(model, **options) as reducer:
+            if what == "hook" and rank == 1:
+                reducer.register_comm_hook(None, hooks.fp16_compress_hook)
+            loss_of(model(batch("mlp", rank, 0))).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("what", ["device", "find_unused_parameters", "static_graph",
+                                  "bucket_cap_mb", "timeout", "hook"])
+def test_mismatch_across_ranks_is_named_on_every_rank(dist_run, what):
+    messages = dist_run(_entry_mismatch, what, world_size=2, timeout=45)
+    name = {"device": "meta", "hook": "fp16_compress_hook"}.get(what, what)
+    for msg in messages:
+        assert msg is not None and name in msg and "rank 1" in msg, msg
+
+
+# ------------------------------------------------------------ 3. ranks at different steps
+def _steps_diverge(kind, debug, model_name="mlp"):
+    rank = dist.get_rank()
+    model = build(model_name)
+    done = []
+    try:
+        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT,
+                                       debug=debug):
+            for step in range(4):
+                model.zero_grad()
+                if kind == "none" and rank == 0:  # evaluation on rank 0 only: not a step
+                    model.eval()
+                    model(batch(model_name, rank, step))
+                    model.train()
+                    with torch.no_grad():
+                        model(batch(model_name, rank, step))
+                loss = loss_of(model(batch(model_name, rank, step)))
+                if kind == "skip" and rank == 1 and step == 1:
+                    continue  # a forward without backward on rank 1
+                loss.backward(retain_graph=True)
+                if kind == "extra" and rank == 1 and step == 0:
+                    loss.backward()  # one more backward on rank 1
+                done.append(_max_error(model, _reference_grads(model_name, step))
+                            if kind == "none" else step)
+    except RuntimeError as e:
+        return done, str(e)
+    return done, None
+
+
+@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("kind", ["skip", "extra"])
+def test_ranks_at_different_steps_raise_on_every_rank(dist_run, kind, debug):
+    results = dist_run(_steps_diverge, kind, debug, world_size=2, timeout=60)
+    for rank, (done, msg) in enumerate(results):
+        assert msg is not None, f"rank {rank} finished without an error: {done}"
+        # named before the mixed gradients reach .grad: the diverged backward did not count
+        assert "forward" in msg and "rank 0" in msg and "rank 1" in msg, msg
+        if debug:
+            assert "diverged" in msg, msg
+    assert results[0][0] == [0], results  # rank 0 completed step 0, then learnt of it
+
+
+def test_same_steps_everywhere_train_normally(dist_run):
+    # eval-mode and no_grad forwards on one rank only are not steps
+    for done, msg in dist_run(_steps_diverge, "none", False, world_size=2):
+        assert msg is None and len(done) == 4 and max(done) < 1e-6, (done, msg)
+
+
+# ------------------------------------------------------------ 6. timeout= covers every hook
+def _never_completes(state, bucket):
+    return torch.futures.Future()  # a hook whose future nobody completes
+
+
+def _hook_with_stalled_peer(kind, timeout_s=2.0):
+    import time
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    rank = dist.get_rank()
+    model = build("mlp")
+    try:
+        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
+                                       timeout=datetime.timedelta(seconds=timeout_s)) as red:
+            if kind == "allreduce":
+                red.register_comm_hook(None, default_hooks.allreduce_hook)
+            elif kind == "gossip":
+                red.register_comm_hook(hooks.GossipState(), hooks.gossip_hook)
+            elif kind == "powersgd":
+                red.register_comm_hook(psgd.PowerSGDState(process_group=None,
+                                                          start_powerSGD_iter=2),
+                                       psgd.powerSGD_hook)
+            else:
+                red.register_comm_hook(None, _never_completes)
+            for step in range(5):
+                if step == 3 and rank == 1 and kind != "never":
+                    time.sleep(timeout_s * 3)  # stalls past the others' timeout
+                    return "slept", time.monotonic()
+                loss_of(model(batch("mlp", rank, step))).backward()
+    except RuntimeError as e:
+        return str(e), time.monotonic()
+    return "no error", time.monotonic()
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "powersgd", "never", "gossip"])
+def test_timeout_bounds_every_hook(dist_run, kind):
+    # without the bound, the hooks' collectives wait for the default group's 300 s
+    # (what the stall breaks is the reducer's timed groups; the pool's own group is intact)
+    results = dist_run(_hook_with_stalled_peer, kind, world_size=2, timeout=60)
+    waiting = results if kind == "never" else results[:1]
+    for message, raised_at in waiting:
+        assert "tribucket" in message and "did not complete" in message, message
+        assert "bucket" in message, message
+        if kind != "never":
+            assert "rank 1" in message, message  # names the rank that fell behind
+            assert raised_at < results[1][1], (message, results[1])  # while it still slept
+
+
+# ------------------------------------------------------------ 13. failure reports
+def _stall_mid_backward(timeout_s=2.0):
+    import time
+
+    rank = dist.get_rank()
+    model = build("mlp")
+    woke = []
+
+    def stall(g):  # rank 1 stalls in the middle of its backward, after some buckets left
+        time.sleep(timeout_s * 3)
+        woke.append(time.monotonic())
+        return g
+    try:
+        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
+                                       timeout=datetime.timedelta(seconds=timeout_s)):
+            for step in range(4):
+                handle = (model.layers[2].weight.register_hook(stall)
+                          if step == 2 and rank == 1 else None)
+                loss_of(model(batch("mlp", rank, step))).backward()
+                if handle is not None:
+                    handle.remove()
+    except RuntimeError as e:
+        return str(e), time.monotonic(), woke
+    return None, time.monotonic(), woke
+
+
+def test_stall_mid_backward_names_the_rank(dist_run):
+    results = dist_run(_stall_mid_backward, world_size=2, timeout=60)
+    message, raised_at, _ = results[0]
+    assert message is not None and "did not complete" in message, message
+    assert "rank 1" in message and "not finished" in message, message
+    assert raised_at < results[1][2][0], (raised_at, results[1])  # while rank 1 still slept
+
+
+def _rank0_dies_with_tcp_store():
+    import socket
+    import sys
+
+    rank = dist.get_rank()
+    port = [None]
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port[0] = s.getsockname()[1]
+    dist.broadcast_object_list(port, src=0)
+    # the rendezvous store torchrun gives: a TCPStore hosted by rank 0
+    store = dist.TCPStore("127.0.0.1", port[0], 2, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=10))
+    model = build("mlp")
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
+                                   timeout=datetime.timedelta(seconds=3)) as reducer:
+        reducer._guard._store = store
+        for step in range(2):
+            loss_of(model(batch("mlp", rank, step))).backward()
+        dist.barrier()
+        if rank == 0:
+            os._exit(7)
+        # rank 1: capture what the process writes on its stderr (C++ warnings included)
+        sys.stderr.flush()
+        saved = os.dup(2)
+        with tempfile.TemporaryFile() as err:
+            os.dup2(err.fileno(), 2)
+            try:
+                loss_of(model(batch("mlp", rank, 2))).backward()
+                message = None
+            except RuntimeError as e:
+                message = str(e)
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                os.close(saved)
+            err.seek(0)
+            printed = err.read().decode(errors="replace")
+        return message, printed
+
+
+def test_dead_rank0_gives_a_short_message(dist_run):
+    results = dist_run(_rank0_dies_with_tcp_store, world_size=2, timeout=60, teardown=True,
+                       expect_dead=(0,))
+    message, printed = results[1]
+    assert message is not None and "did not complete" in message, message
+    assert "rank 0" in message and "frame #" not in message, message
+    assert "frame #" not in printed and "TCPStore" not in printed, printed
+
+
+# ------------------------------------------------------------ 4. resumed state
+def _hook_for(kind):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    if kind == "powersgd":
+        return (psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                   start_powerSGD_iter=2, random_seed=5), psgd.powerSGD_hook)
+    return None, None
+
+
+def _train_resumable(kind, steps, start, path, save_at=None, load_from=None, via="torch"):
+    """Train ``steps`` steps from ``start``; save at ``save_at``; before training, load the
+    checkpoint of step ``load_from[rank]`` (None: this rank loads nothing)."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = dist.get_rank()
+    model = build("mlp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT) as reducer:
+        state, hook = _hook_for(kind)
+        if hook is not None:
+            reducer.register_comm_hook(state, hook)
+        at = None if load_from is None else load_from[rank]
+        if at is not None:
+            saved = torch.load(f"{path}.{at}.{rank}", weights_only=False)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            if via == "dcp":
+                target = {"reducer": reducer.state_dict()}  # a fresh reducer's: other sizes
+                dcp.load(target, checkpoint_id=f"{path}.{at}.dcp")
+                reducer.load_state_dict(target["reducer"])
+            else:
+                reducer.load_state_dict(saved["reducer"])
+        for step in range(start, start + steps):
+            loss_of(model(batch("mlp", rank, step))).backward()
+            opt.step()
+            opt.zero_grad()
+            if step + 1 == save_at or (save_at == "every"):
+                n = step + 1
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                            "reducer": reducer.state_dict()}, f"{path}.{n}.{rank}")
+                if via == "dcp":
+                    dcp.save({"reducer": reducer.state_dict()}, checkpoint_id=f"{path}.{n}.dcp")
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def _try_train_resumable(*args, **kwargs):
+    try:
+        return _train_resumable(*args, **kwargs)
+    except (RuntimeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("load_from,field", [((3, None), "rebuilt layout"),
+                                             ((3, 2), "iterations")])
+def test_resume_from_different_states_is_named_on_every_rank(dist_run, load_from, field):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        dist_run(_train_resumable, "default", 3, 0, path, "every", world_size=2)
+        results = dist_run(_try_train_resumable, "default", 2, 3, path, load_from=load_from,
+                           world_size=2, timeout=60)
+    for msg in results:
+        assert isinstance(msg, str) and "differ across ranks" in msg, msg
+        assert field in msg and "rank 1" in msg and "load_state_dict" in msg, msg
+
+
+def _load_rank0_powersgd(path):
+    rank = dist.get_rank()
+    model = build("mlp")
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001) as reducer:
+        state, hook = _hook_for("powersgd")
+        reducer.register_comm_hook(state, hook)
+        saved = torch.load(f"{path}.3.0", weights_only=False)  # the usual habit: rank 0's
+        try:
+            reducer.load_state_dict(saved["reducer"])
+        except ValueError as e:
+            return str(e)
+        return None if rank == 0 else "loaded"
+
+
+def test_per_rank_hook_state_is_not_loaded_on_another_rank(dist_run):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        dist_run(_train_resumable, "powersgd", 3, 0, path, 3, world_size=2)
+        results = dist_run(_load_rank0_powersgd, path, world_size=2)
+    assert results[0] is None  # rank 0 loads its own state
+    assert "saved by rank 0 of 2" in results[1] and "rank 1" in results[1], results[1]
+
+
+@pytest.mark.parametrize("kind", ["default", "powersgd"])
+def test_state_loads_with_distributed_checkpoint(dist_run, kind):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        straight = dist_run(_train_resumable, kind, 6, 0, path, world_size=2)
+        dist_run(_train_resumable, kind, 3, 0, path, 3, via="dcp", world_size=2)
+        resumed = dist_run(_train_resumable, kind, 3, 3, path, load_from=(3, 3), via="dcp",
+                           world_size=2)
+    for a, b in zip(straight, resumed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))  # bit for bit
