@@ -137,9 +137,12 @@ def _unpack_kernel(
     block_start,    # *int64 [NB]: first element (inside that tensor) program b writes
     buffer,         # *BUF [numel]: the flat bucket
     scale,          # fp32: multiplier (unused if COPY)
+    partials,       # *fp32 [NB]: program b's sum of squares of what it wrote (used if STATS)
+    nonfinite,      # *fp32 [1]: set to 1.0 when a written value is inf/NaN (used if STATS)
     DST: tl.constexpr,         # element type behind dst_ptrs
     COPY: tl.constexpr,        # store the loaded bits unchanged (BUF == DST, scale 1)
     ACCUMULATE: tl.constexpr,  # dst = cast(dst + buffer * scale) instead of cast(buffer * scale)
+    STATS: tl.constexpr,       # the epilogue: per-program sum of squares and non-finite flag
     BLOCK: tl.constexpr,
 ):
     """dst_t[i] = cast(buffer[offsets[t] + i] * scale) (+ dst_t[i] if ACCUMULATE).
@@ -147,8 +150,12 @@ def _unpack_kernel(
     Example: bucket ``[a0 a1 a2 _ b0 .. b4]``, offsets [0, 4] -> tensor 0 gets a0..a2 and
     tensor 1 gets b0..b4; the gap is never read.
 
+    STATS (the reducer's epilogue, ``kernels/reference.py``): program b also writes the sum
+    of squares of the values it stored to ``partials[b]`` (float32; the launcher sums the
+    NB partials, in a fixed order) and sets ``nonfinite``, from registers: no extra read.
+
     Bytes: reads sum(n_t) * BUF bytes (+ sum(n_t) * DST if ACCUMULATE), writes
-    sum(n_t) * DST bytes.
+    sum(n_t) * DST bytes (+ 4 per program if STATS).
     """
     idx, n, src_off, addr = _this_block(dst_ptrs, sizes, offsets, block_tensor, block_start, BLOCK)
     dst = addr.to(tl.pointer_type(DST))
@@ -163,6 +170,12 @@ def _unpack_kernel(
             v = tl.load(dst + idx, mask=mask, other=0).to(tl.float32) + v
         y = _cast(v, DST)
     tl.store(dst + idx, y, mask=mask)
+    if STATS:
+        yf = tl.where(mask, y.to(tl.float32), 0.0)  # exact: inf stays inf, NaN stays NaN
+        tl.store(partials + tl.program_id(0).to(tl.int64), tl.sum(yf * yf, axis=0))
+        bad = (tl.abs(yf) == float("inf")) | (yf != yf)
+        if tl.max(bad.to(tl.int32), axis=0) > 0:
+            tl.store(nonfinite, 1.0)  # every writer stores 1.0: the race is benign
 
 
 def _interpreting_kernels() -> bool:
@@ -203,6 +216,14 @@ class _TritonTables:
         self.device = device
         self._ptr_key: tuple[int, ...] | None = None
         self._ptrs: torch.Tensor | None = None
+        self._partials: torch.Tensor | None = None  # the unpack epilogue's per-program sums
+
+    def partials(self) -> torch.Tensor:
+        """Scratch for the unpack epilogue: one float32 per program, allocated once."""
+        if self._partials is None:
+            self._partials = torch.empty(max(self.nblocks, 1), dtype=torch.float32,
+                                         device=self.device)
+        return self._partials
 
     def pointers(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """The int64 pointer table, rebuilt only when the data_ptr()s change."""
@@ -288,14 +309,18 @@ class _TritonPath:
                 BLOCK=BLOCK, num_warps=_NUM_WARPS, enable_fp_fusion=False)
         return True
 
-    def _unpack_triton(self, buffer, tensors, scale, accumulate, dtypes) -> bool:
+    def _unpack_triton(self, buffer, tensors, scale, accumulate, dtypes, stats=None) -> bool:
         b = buffer.dtype
         launches = []
         for d, tab in self._dtype_groups(tensors, dtypes):
             if d is None:
                 continue  # nothing but None tensors: nothing to write
             copy = d == b and scale == 1.0 and not accumulate
-            if copy:
+            if stats is not None and (d not in _TRITON_ARITH or b not in _TRITON_ARITH):
+                return False  # the epilogue squares floats of the kernel's dtypes only
+            if copy and stats is not None:  # a float copy with the epilogue: load the dtype
+                args = (buffer, _TL_DTYPES[d], True)
+            elif copy:
                 if buffer.element_size() not in _BITS:
                     return False
                 bits = _BITS[buffer.element_size()]
@@ -308,8 +333,13 @@ class _TritonPath:
         for tab, buf, dst_t, copy in launches:
             if tab.nblocks == 0:
                 continue
+            partials = tab.partials() if stats is not None else tab.sizes
             _unpack_kernel[(tab.nblocks,)](
                 tab.pointers(tensors), tab.sizes, tab.offsets, tab.block_tensor,
-                tab.block_start, buf, scale, DST=dst_t, COPY=copy, ACCUMULATE=accumulate,
-                BLOCK=BLOCK, num_warps=_NUM_WARPS, enable_fp_fusion=False)
+                tab.block_start, buf, scale, partials,
+                stats[1:] if stats is not None else tab.sizes, DST=dst_t, COPY=copy,
+                ACCUMULATE=accumulate, STATS=stats is not None, BLOCK=BLOCK,
+                num_warps=_NUM_WARPS, enable_fp_fusion=False)
+            if stats is not None:
+                stats[0] += partials.sum()  # NB floats: one small reduction, no host sync
         return True

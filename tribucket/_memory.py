@@ -188,8 +188,13 @@ class BucketMemory:
         self._checked = True  # same tensors every iteration: validate them once
         return buf
 
-    def finish(self, result: torch.Tensor, targets: list[bool]) -> None:
-        """Make ``result`` (the reduced bucket) the gradients of the ``targets`` params."""
+    def finish(self, result: torch.Tensor, targets: list[bool],
+               stats: torch.Tensor | None = None) -> bool:
+        """Make ``result`` (the reduced bucket) the gradients of the ``targets`` params.
+
+        ``stats`` (``[sum of squares, non-finite flag]``, float32): filled by the unpack
+        kernel when the result is unpacked (not lent); returns whether it was filled.
+        """
         buf = self.active
         if self.transfer and buf is not None and result.data_ptr() == buf.data_ptr() \
                 and result.dtype == buf.dtype:
@@ -210,11 +215,10 @@ class BucketMemory:
             # the plan caches views of the buffers it packs into: drop them, so the storage
             # use count tells whether anything but the reducer still holds the buffer
             self.plan.forget(self.body(buf))
-            return
+            return False
         if self.always_view and buf is not None and result.numel() == self.bucket.numel:
             self.body(buf).copy_(result)  # a hook returned another tensor: the bucket backs .grad
-            self.finish(buf, targets)
-            return
+            return self.finish(buf, targets)
         grads, strided = [], []
         for k, q in enumerate(self.params):
             g = q.grad if targets[k] else None
@@ -225,12 +229,15 @@ class BucketMemory:
                 strided.append((g, k))  # e.g. channels_last: unpacked through a copy
                 g = None
             grads.append(g)
+        if strided:
+            stats = None  # some gradients are written apart: the figures are read later
         self.plan.unpack(self.body(result) if result.numel() != self.bucket.numel else result,
-                         grads, check=not self._checked_unpack)
+                         grads, check=not self._checked_unpack, stats=stats)
         self._checked_unpack = True
         for g, k in strided:
             off, n = self.bucket.offsets[k], self.bucket.sizes[k]
             g.copy_(result.narrow(0, off, n).view(g.shape))
+        return stats is not None
 
     def reset(self) -> None:
         self.active = self.lent = None

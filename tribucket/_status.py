@@ -1,6 +1,5 @@
 """The end-of-backward status: one small allreduce (or a tail on the last bucket's) that
-tells every rank which ranks missed gradients or misused the reducer, whether any fp16
-gradient overflowed, and (``find_unused_parameters``) the global used map, so an error is
+tells every rank which ranks missed gradients or misused the reducer, and (``find_unused_parameters``) the global used map, so an error is
 raised on every rank instead of leaving one waiting in a collective."""
 
 from __future__ import annotations
@@ -69,12 +68,12 @@ class StatusSupport:
         return mem.active.narrow(0, mem.active.numel() - n, n).float().cpu()
 
     def _status_tensor(self, problems: int, used: list | None) -> torch.Tensor:
-        """``[problems per rank..., overflow flag, used map...]``: one allreduce tells all."""
+        """``[problems per rank..., spare, used map...]``: one allreduce tells all. (The spare slot
+        held a pack-time overflow flag; ``found_inf`` is now read from the reduced gradients
+        by the epilogue, equal on every rank without a collective.)"""
         status = torch.zeros(self.world_size + 1 + (len(used) if used is not None else 0),
                              dtype=torch.float32)
         status[self.rank] = problems
-        if self._traits.check_overflow:
-            status[self.world_size] = float(self.found_inf.item())
         if used is not None:
             status[self.world_size + 1:] = torch.tensor(used, dtype=status.dtype)
         return status.to(self._device)

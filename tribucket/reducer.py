@@ -12,8 +12,7 @@ collectives in the same order. The end of backward is an autograd-engine callbac
 from a pre-hook on the forward output's ``grad_fn`` (so it belongs to the outermost backward
 even under reentrant checkpointing) or, failing that, from the first gradient hook. There a
 tiny status allreduce (the tail of the last bucket's allreduce when the reducer sends that
-itself) tells every rank whether any rank missed gradients (and, for fp16 hooks,
-overflowed), so an error is raised on every rank instead of leaving one waiting.
+itself) tells every rank whether any rank missed gradients, so an error is raised on every rank instead of leaving one waiting.
 
 This module holds the backward path; the rest of the class lives next to it, one part per
 concern: ``_rebuild`` (which layout: DDP's initial one, the rebuild), ``_memory`` (a
@@ -37,6 +36,7 @@ from torch.distributed.algorithms.join import Join
 
 from . import kernels
 from ._env import describe_backend
+from ._epilogue import Epilogue
 from ._graph import output_tensors, reachable_parameters
 from ._hookcall import HookRef, SparseWork, check_result, hook_name, invoke, invoke_after
 from ._join import JoinSupport
@@ -128,7 +128,8 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         # iteration number that fingerprints and failure reports use, equal on every rank
         self._join_work = None                 # Join: the notify allreduce (ranks active)
         self._divide_by_initial_world_size = True
-        self.found_inf = torch.zeros(1, dtype=torch.float32, device=self._device)
+        self._found_inf = torch.zeros(1, dtype=torch.float32, device=self._device)
+        self._epilogue: Epilogue | None = None  # per-bucket norm and flag (_epilogue.py)
         self.stats = ReducerStats(buckets=len(self._layout.buckets))
         self._handles: list = []
         self._hook_refs: list[HookRef] = []
@@ -166,6 +167,32 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
     def parameter_names(self) -> list[str]:
         """Names of the averaged parameters; ``layout`` indices point into this list."""
         return list(self._names)
+
+    @property
+    def found_inf(self) -> torch.Tensor:
+        """1.0 when an averaged gradient of the last backward is inf or NaN, else 0.0.
+
+        A 1-element float32 tensor on the model's device (the same tensor every time),
+        computed from the *reduced* gradients, so it covers an overflow of the sum on the
+        wire and a NaN on one rank only; equal on every rank. Computed on first read after
+        each backward from the epilogue's per-bucket flags (see ``grad_norm``); gradients
+        changed since are read as they are now.
+        """
+        if self._epilogue is not None:
+            self._epilogue.found_inf(self._found_inf)
+        return self._found_inf
+
+    def grad_norm(self) -> torch.Tensor:
+        """Total 2-norm (0-dim float32) of the gradients of the parameters this reducer
+        averages, as ``torch.nn.utils.clip_grad_norm_`` would compute it.
+
+        From the per-bucket figures of the fused epilogue: on CUDA the unpack kernel computes
+        them while it writes the gradients; a bucket lent to ``.grad`` (no pass) is read once,
+        flat, on first use. Gradients changed since the backward are read as they are now.
+        """
+        if self._epilogue is None:
+            return torch.zeros((), device=self._device)
+        return self._epilogue.grad_norm()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -209,6 +236,8 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         if self._closed:
             return
         self._closed = True
+        if self._epilogue is not None:
+            self._epilogue.close()  # its figures no longer answer for these gradients
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -329,8 +358,8 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
             self._allocate()
         self._guard.mark_progress(self._passes)
         p.scale = 1.0 / self._divisor() if self._traits.prescale else 1.0
-        if self._traits.check_overflow:
-            self.found_inf.zero_()  # the pack kernels only ever set it
+        if self._epilogue is not None:
+            self._epilogue.reset()
         if self.config.static_graph:
             if self._static_counts is not None:
                 for i in self._unused:
@@ -353,8 +382,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         b, k = self._slot[index]
         mem = self._mem[b]
         if mem is not None and mem.eager:
-            mem.put(k, self._params[index].grad, p.scale,
-                    self.found_inf if self._traits.check_overflow else None)
+            mem.put(k, self._params[index].grad, p.scale)
         p.pending[b] -= 1
         if p.pending[b] == 0:
             p.state[b] = _BucketState.READY
@@ -446,6 +474,9 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
                 buf = mem.pack([q.grad for q in params], 1.0, None)
                 mem.finish(buf, [q.grad is not None for q in params])
             self._mem.append(mem)
+        if self._epilogue is not None:
+            self._epilogue.close()
+        self._epilogue = Epilogue(self._bucket_params, self._mem, self._device)
         self._allocated = True
         self.stats.buckets = len(self._layout.buckets)
         # the buffers one iteration needs (one per bucket, in its wire dtype); a gradient
@@ -485,8 +516,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
             return
         ready = p.ready
         grads = [q.grad if ready[i] else None for q, i in zip(params, self._bucket_index[b])]
-        found = self.found_inf if self._traits.check_overflow else None
-        buf = self._mem[b].pack(grads, p.scale, found)
+        buf = self._mem[b].pack(grads, p.scale, None)  # found_inf: after the sum (_epilogue)
         self._send(p, b, buf, params, bucket)
 
     def _send(self, p: _Pass, b: int, buf: torch.Tensor, params: list, bucket) -> None:
@@ -569,8 +599,6 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         counts = status[: self.world_size].tolist()
         if sum(counts) > 0:
             self._raise_missing(missing, counts, p.errors)
-        if self._traits.check_overflow:
-            self.found_inf.fill_(1.0 if status[self.world_size].item() > 0 else 0.0)
         global_used = None
         if used is not None:
             global_used = (status[self.world_size + 1:] > 0).tolist()
@@ -623,11 +651,15 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
             params = self._bucket_params[b]
             targets = (self._every_target[b] if global_used is None
                        else [global_used[i] for i in self._bucket_index[b]])
+            epi = self._epilogue
             if self._layout.buckets[b].sparse:
                 if targets[0]:
                     params[0].grad = result
+                epi.finished(b)
                 continue
-            self._mem[b].finish(result, targets)
+            stats = epi.fused_stats(b)
+            filled = self._mem[b].finish(result, targets, stats)
+            epi.finished(b, stats if filled else None)
 
     def _log_buckets(self, seconds: list[float]) -> None:
         for b, (bucket, s) in enumerate(zip(self._layout.buckets, seconds)):

@@ -1,0 +1,156 @@
+"""Mixed precision: ``found_inf`` of the reduced gradients, the fused epilogue (norm and
+non-finite flag), ``clip_grad_norm_`` and ``tribucket.amp.GradScaler`` against torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tribucket
+from tribucket import hooks
+
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+class _Direct(nn.Module):
+    """``loss = (w * c).sum()``: the gradient of ``w`` is ``c``, chosen per rank and step."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(6))
+        self.v = nn.Parameter(torch.ones(3))
+
+    def forward(self, c):
+        return (self.w * c).sum() + self.v.sum()
+
+
+def _sum_then_divide_hook(state, bucket):
+    """A user hook that sums in fp32 and divides afterwards: inf can appear in the sum only."""
+    world = dist.get_world_size()
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0].div_(world))
+
+
+_WIRES = {
+    "fp32": (None, None),
+    "fp32 sum hook": (None, _sum_then_divide_hook),
+    "fp16": ("state", hooks.fp16_compress_hook),
+    "bf16": ("state", hooks.bf16_compress_hook),
+}
+
+# per step, the gradient c of w on (rank 0, rank 1); v's gradient is always 1
+_STEPS = [
+    ("finite", 1.0, 2.0),
+    ("nan on rank 1 only", 1.0, float("nan")),
+    # fp16 wire: 80000 / 2 = 40000 per rank fits fp16 (max 65504), the sum does not;
+    # bf16 wire: fp32max / 2 rounds to 2**127 in bf16, the sum 2**128 is inf
+    ("sum overflows", 80000.0, 80000.0),
+    ("sum overflows bf16", FP32_MAX, FP32_MAX),
+    # user sum hook in fp32: each term finite, the sum inf
+    ("sum overflows fp32", 0.6 * FP32_MAX, 0.6 * FP32_MAX),
+    ("finite again", -3.0, 5.0),
+]
+
+
+def _found_inf_cases(wire):
+    rank = dist.get_rank()
+    state_kind, hook = _WIRES[wire]
+    model = _Direct()
+    out = []
+    with tribucket.fused_bucketing(model) as reducer:
+        if hook is not None:
+            state = hooks.CompressionState(check_overflow=True) if state_kind else None
+            reducer.register_comm_hook(state, hook)
+        for name, c0, c1 in _STEPS:
+            c = torch.full((6,), c0 if rank == 0 else c1)
+            model(c).backward()
+            grads = torch.cat([model.w.grad, model.v.grad])
+            out.append((name, float(reducer.found_inf.item()),
+                        bool(torch.isfinite(grads).all()), grads.clone()))
+            model.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("wire", list(_WIRES))
+def test_found_inf_means_nonfinite_reduced_gradients(dist_run, wire):
+    results = dist_run(_found_inf_cases, wire, world_size=2)
+    expect_inf = {"nan on rank 1 only"}
+    # (on the fp16 wire the two cases past fp16's range already overflow in each rank's term)
+    expect_inf |= {"fp16": {"sum overflows", "sum overflows bf16", "sum overflows fp32"},
+                   "bf16": {"sum overflows bf16"},
+                   "fp32 sum hook": {"sum overflows bf16", "sum overflows fp32"}}.get(wire, set())
+    for rank, steps in enumerate(results):
+        for name, flag, finite, grads in steps:
+            # the definition: found_inf is set exactly when a reduced gradient is inf/NaN
+            assert flag == (0.0 if finite else 1.0), \
+                f"{wire}, {name}, rank {rank}: found_inf {flag} but .grad finite={finite}"
+            assert (flag == 1.0) == (name in expect_inf), \
+                f"{wire}, {name}, rank {rank}: found_inf {flag}, grads {grads.tolist()}"
+    for (name, f0, _, g0), (_, f1, _, g1) in zip(*results):
+        assert f0 == f1, f"{wire}, {name}: ranks disagree on found_inf"
+        assert torch.equal(g0.nan_to_num(), g1.nan_to_num()), f"{wire}, {name}: grads differ"
+
+
+# ---------------------------------------------------------------- the unpack kernel's epilogue
+def _epilogue_backends():
+    from tribucket.kernels import pack as _  # noqa: F401 - the module defines the kernels
+    import importlib
+    P = importlib.import_module("tribucket.kernels.pack")
+    cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+    interp = pytest.mark.skipif(not P._interpreting_kernels(),
+                                reason="kernels not defined under TRITON_INTERPRET=1")
+    return [pytest.param("triton", "cpu", marks=interp, id="triton-interpreter"),
+            pytest.param("triton", "cuda", marks=cuda, id="triton-cuda"),
+            pytest.param("torch", "cpu", id="torch-cpu")]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                            "ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("backend,device", _epilogue_backends())
+@pytest.mark.parametrize("buf_dtype,dst_dtype,scale", [
+    (torch.float16, torch.float32, 1.0),     # the fp16 wire decompressed into fp32 .grad
+    (torch.bfloat16, torch.float32, 0.5),
+    (torch.float32, torch.float32, 1.0),     # a copy: loaded as floats for the epilogue
+    (torch.float32, torch.bfloat16, 1 / 3),
+])
+def test_unpack_epilogue_matches_reference(backend, device, buf_dtype, dst_dtype, scale):
+    from tribucket import kernels
+    # odd sizes, a gap, an empty tensor and one tensor over two Triton blocks (4096)
+    sizes = [3, 0, 5000, 7, 1]
+    offsets = [0, 3, 5, 5008, 5020]
+    numel = 5024
+    g = torch.Generator().manual_seed(0)
+    buf = (torch.randn(numel, generator=g) * 100).to(buf_dtype).to(device)
+    plan = kernels.BucketPlan(sizes, offsets, numel, device, backend=backend)
+    for special in (None, float("inf"), float("nan")):
+        b = buf.clone()
+        if special is not None:
+            b[5 + 4097] = special  # in the second block of the big tensor
+        outs = [torch.empty(n, dtype=dst_dtype, device=device) for n in sizes]
+        refs = [torch.empty(n, dtype=dst_dtype) for n in sizes]
+        stats = torch.zeros(2, device=device)
+        ref_stats = torch.zeros(2)
+        plan.unpack(b, outs, scale=scale, stats=stats)
+        kernels.unpack_reference(b.cpu(), refs, offsets, scale=scale, stats=ref_stats)
+        for o, r in zip(outs, refs):
+            assert torch.equal(o.cpu().nan_to_num(), r.nan_to_num()), "values differ"
+        assert stats[1].item() == ref_stats[1].item() == (0.0 if special is None else 1.0), \
+            f"non-finite flag {stats[1].item()} (reference {ref_stats[1].item()})"
+        if special is None:
+            torch.testing.assert_close(stats[0].cpu(), ref_stats[0], rtol=1e-5, atol=0)
+            dense = torch.cat([r.double().reshape(-1) for r in refs])
+            torch.testing.assert_close(stats[0].cpu().double().sqrt(),
+                                       torch.linalg.vector_norm(dense), rtol=1e-5, atol=0)
+        stats2 = stats.clone()
+        plan.unpack(b, outs, scale=scale, stats=stats2)  # accumulates into stats[0]
+        if special is None:
+            torch.testing.assert_close(stats2[0].cpu(), 2 * stats[0].cpu(), rtol=1e-6, atol=0)
+
+
+def test_unpack_stats_must_be_two_float32():
+    from tribucket import kernels
+    plan = kernels.BucketPlan([3], [0], 3, "cpu")
+    with pytest.raises(ValueError, match=r"stats must be a float32 tensor of shape \(2,\)"):
+        plan.unpack(torch.zeros(3), [torch.zeros(3)], stats=torch.zeros(1))
