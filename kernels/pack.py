@@ -171,12 +171,21 @@ def _check_stats(stats, device) -> None:
                          f"torch.zeros(2, device={str(device)!r})")
 
 
+def norms_fp32(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The 2-norm of each tensor as a 0-dim float32 (half and bf16 tensors are squared and
+    summed in float32, float64 ones in float64): one ``_foreach_norm`` per width."""
+    narrow = [t for t in tensors if t.dtype != torch.float64]
+    wide = [t for t in tensors if t.dtype == torch.float64]
+    norms = list(torch._foreach_norm(narrow, 2, dtype=torch.float32)) if narrow else []
+    return norms + [n.float() for n in torch._foreach_norm(wide)] if wide else norms
+
+
 def _stats_torch(tensors, stats) -> None:
     """The unpack epilogue on the torch path: one vectorised read of the written tensors."""
     floats = [t for t in tensors if t.is_floating_point() and t.numel()]
     if not floats:
         return
-    norms = torch.stack(torch._foreach_norm(floats, 2, dtype=torch.float32))
+    norms = torch.stack(norms_fp32(floats))
     stats[0] += norms.square().sum()
     if not bool(torch.isfinite(norms).all()):
         # a norm is inf/NaN: a value is, or finite squares overflowed; tell them apart

@@ -154,3 +154,160 @@ def test_unpack_stats_must_be_two_float32():
     plan = kernels.BucketPlan([3], [0], 3, "cpu")
     with pytest.raises(ValueError, match=r"stats must be a float32 tensor of shape \(2,\)"):
         plan.unpack(torch.zeros(3), [torch.zeros(3)], stats=torch.zeros(1))
+
+
+# ---------------------------------------------------------------- clip_grad_norm_ and grad_norm
+class _Counter:
+    """Counts calls of a torch function in this process while installed."""
+
+    def __init__(self, owner, name):
+        self.owner, self.name, self.calls = owner, name, 0
+        self.orig = getattr(owner, name)
+
+    def __enter__(self):
+        def counted(*a, **k):
+            self.calls += 1
+            return self.orig(*a, **k)
+        setattr(self.owner, self.name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.owner, self.name, self.orig)
+
+
+def _twins(name, **reducer_kw):
+    """The same model under tribucket (a reducer) and under DDP."""
+    from models import build
+    ours, ref = build(name), build(name)
+    reducer = tribucket.Reducer(ours, **reducer_kw)
+    ddp = nn.parallel.DistributedDataParallel(ref)
+    return ours, ref, ddp, reducer
+
+
+def _clip_vs_torch(name, wire):
+    from models import batch, loss_of
+    rank = dist.get_rank()
+    ours, ref, ddp, reducer = _twins(name, bucket_cap_mb=0.001)
+    if wire == "fp16":  # the same wire on both sides: the fused hook and the generic one
+        reducer.register_comm_hook(None, hooks.fp16_compress_hook)
+        ddp.register_comm_hook(None, hooks.fp16_compress_hook)
+    checks = []
+    # max_norm: clips (small), does not clip (large), then the fallbacks
+    for step, how in enumerate(["clip", "no clip", "inf norm", "subset", "modified", "clip"]):
+        x = batch(name, rank, step)
+        loss_of(ours(x)).backward()
+        loss_of(ddp(x)).backward()
+        norm_ours = reducer.grad_norm()
+        mine, theirs = list(ours.parameters()), list(ref.parameters())
+        kw = {"max_norm": 0.05 if how != "no clip" else 1e6}
+        if how == "inf norm":
+            kw["norm_type"] = float("inf")
+        if how == "subset":
+            mine, theirs = mine[:3], theirs[:3]
+        if how == "modified":  # a gradient changed after the backward: the figures are stale
+            for p in (ours, ref):
+                next(p.parameters()).grad.mul_(3.0)
+        with _Counter(torch.nn.utils, "clip_grad_norm_") as torch_clip:
+            got = tribucket.clip_grad_norm_(mine, **kw)
+        fast = torch_clip.calls == 0
+        want = torch.nn.utils.clip_grad_norm_(theirs, **kw)
+        grads_equal = all(torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+                          for a, b in zip(ours.parameters(), ref.parameters()))
+        checks.append(dict(how=how, got=got.item(), want=want.item(), fast=fast,
+                           grad_norm=norm_ours.item(), grads_equal=grads_equal))
+        for m in (ours, ref):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+            m.zero_grad()
+    params_equal = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                       for a, b in zip(ours.parameters(), ref.parameters()))
+    reducer.close()
+    return checks, params_equal
+
+
+@pytest.mark.parametrize("name,wire", [("mlp", "fp32"), ("transformer", "fp32"),
+                                       ("mlp", "fp16")])
+def test_clip_grad_norm_equals_torch(dist_run, name, wire):
+    for checks, params_equal in dist_run(_clip_vs_torch, name, wire, world_size=2):
+        for c in checks:
+            assert c["got"] == pytest.approx(c["want"], rel=1e-5), c
+            assert c["grads_equal"], f"gradients after clipping differ from torch's: {c}"
+            # the fast path exactly where the reducer's figures describe the gradients
+            assert c["fast"] == (c["how"] in ("clip", "no clip")), c
+            if c["how"] in ("clip", "no clip", "subset"):  # grad_norm before any change
+                assert c["grad_norm"] == pytest.approx(
+                    c["want"] if c["how"] != "subset" else c["grad_norm"], rel=1e-5), c
+        assert params_equal
+
+
+def _grad_norm_vs_dense(name):
+    """reducer.grad_norm() against the norm of the dense averaged gradient."""
+    from models import batch, loss_of
+    ours, ref, ddp, reducer = _twins(name, bucket_cap_mb=0.001)
+    x = batch(name, dist.get_rank(), 0)
+    loss_of(ours(x)).backward()
+    loss_of(ddp(x)).backward()
+    dense = torch.cat([p.grad.double().reshape(-1) for p in ref.parameters()
+                       if p.grad is not None])
+    got = reducer.grad_norm().item()
+    reducer.close()
+    return got, torch.linalg.vector_norm(dense).item()
+
+
+@pytest.mark.parametrize("name", ["mixed", "bn_channels_last", "tied"])
+def test_grad_norm_equals_dense_reference(dist_run, name):
+    for got, want in dist_run(_grad_norm_vs_dense, name, world_size=2):
+        assert got == pytest.approx(want, rel=2e-3 if name == "mixed" else 1e-5)
+
+
+# ---------------------------------------------------------------- GradScaler
+def _scaler_vs_torch(dtype, clip):
+    from models import batch, loss_of
+    rank = dist.get_rank()
+    ours, ref, ddp, reducer = _twins("mlp", bucket_cap_mb=0.001)
+    enabled = dtype == torch.float16  # bf16 needs no loss scaling: the scaler is off
+    # a huge initial scale: the first steps overflow in fp16 and are skipped
+    kw = dict(init_scale=2.0**30, growth_interval=2, enabled=enabled)
+    s_ours, s_ref = tribucket.amp.GradScaler("cpu", **kw), torch.amp.GradScaler("cpu", **kw)
+    o_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    log = []
+    for step in range(8):
+        x = batch("mlp", rank, step)
+        x = x * (1e4 if step == 5 else 1.0)  # a late overflow after the scale has dropped
+        scans = []
+        for model, fwd, scaler, opt in ((ours, ours, s_ours, o_ours), (ref, ddp, s_ref, o_ref)):
+            with torch.autocast("cpu", dtype=dtype):
+                loss = loss_of(fwd(x))
+            with _Counter(torch, "_amp_foreach_non_finite_check_and_unscale_") as scan:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                if clip:
+                    (tribucket.clip_grad_norm_ if model is ours
+                     else torch.nn.utils.clip_grad_norm_)(model.parameters(), 1.0)
+                scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            scans.append(scan.calls)
+        log.append((s_ours.get_scale() if enabled else 1.0,
+                    s_ref.get_scale() if enabled else 1.0, scans[0]))
+    same = [torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+            for a, b in zip(ours.parameters(), ref.parameters())]
+    finite = all(bool(torch.isfinite(p).all()) for p in ours.parameters())
+    reducer.close()
+    return log, same, finite
+
+
+@pytest.mark.parametrize("dtype,clip", [(torch.float16, True), (torch.float16, False),
+                                        (torch.bfloat16, True)])
+def test_grad_scaler_matches_torch_on_ddp(dist_run, dtype, clip):
+    for log, same, finite in dist_run(_scaler_vs_torch, dtype, clip, world_size=2):
+        scales = [(a, b) for a, b, _ in log]
+        assert all(a == b for a, b in scales), f"loss scales differ: {scales}"
+        if dtype == torch.float16:
+            # steps were skipped (the scale dropped from 2**30) and the scale grew back
+            assert scales[-1][0] < 2.0**30 and len({a for a, _ in scales}) > 2, scales
+            # no second inf scan: the reducer's flag served every unscale_
+            assert all(n == 0 for _, _, n in log), f"inf scans per step: {log}"
+        assert finite and all(same), f"parameters differ from torch's: {same}"

@@ -7,8 +7,9 @@ communication, and a Python reducer (``fused_bucketing``) and an MoE dispatcher
 
 from __future__ import annotations
 
-from . import hooks
+from . import amp, hooks
 from ._env import nccl_version
+from .clip import clip_grad_norm_
 from .config import ReducerConfig
 from .grad_bucket import GradBucket
 from .layout import NO_CAP, Bucket, BucketLayout, TensorSpec, compute_layout
@@ -25,6 +26,8 @@ __all__ = [
     "ReducerConfig",
     "ReducerStats",
     "TensorSpec",
+    "amp",
+    "clip_grad_norm_",
     "compute_layout",
     "fused_bucketing",
     "hooks",

@@ -33,7 +33,10 @@ from typing import Iterable, Sequence
 
 import torch
 
-__all__ = ["Epilogue", "reducer_norm_for", "reducer_found_inf_for", "reducer_scale_"]
+from .kernels.pack import norms_fp32
+
+__all__ = ["Epilogue", "reducer_clip_", "reducer_found_inf_for", "reducer_norm_for",
+           "reducer_scale_"]
 
 _LIVE: "weakref.WeakSet[Epilogue]" = weakref.WeakSet()  # epilogues of attached reducers
 
@@ -60,12 +63,10 @@ def _nonfinite(tensors: Sequence[torch.Tensor], norm: torch.Tensor) -> torch.Ten
 
 def _norm_of(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """2-norm (0-dim float32) of the values of ``tensors``, as ``clip_grad_norm_`` forms it."""
-    if not tensors:
-        return torch.zeros(())
-    if len(tensors) == 1:
+    if len(tensors) == 1 and tensors[0].dtype != torch.float64:
         return torch.linalg.vector_norm(tensors[0], dtype=torch.float32)
-    norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(norms))
+    norms = norms_fp32(tensors)
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
 class _Record:
@@ -201,20 +202,28 @@ class Epilogue:
     def scale_(self, buckets: list[int], factor: torch.Tensor) -> None:
         """Multiply the gradients of fresh ``buckets`` by ``factor`` (0-dim tensor, or float)
         in place, one op per lent bucket, and keep their figures fresh."""
-        for b in buckets:
-            rec = self.fresh(b)
-            assert rec is not None, "scale_ is for fresh buckets (see covering)"
-            flat = self._flat(b)
+        recs = [self.fresh(b) for b in buckets]
+        assert all(r is not None for r in recs), "scale_ is for fresh buckets (see covering)"
+        flats = [self._flat(b) for b in buckets]
+        loose = [g for b, flat in zip(buckets, flats) if flat is None for g in self._grads(b)]
+        for flat in flats:
             if flat is not None:
                 flat.mul_(factor)
-            else:
-                grads = self._grads(b)
-                if grads:
-                    torch._foreach_mul_(grads, factor)
+        if loose:
+            torch._foreach_mul_(loose, factor)
+        # versions after every multiply: gradients of two buckets may share a storage (the
+        # views of the buffer before a rebuild), whose version counter both writes bump
+        for b, rec in zip(buckets, recs):
             rec.versions = [0 if q.grad is None else q.grad._version for q in self.params[b]]
             if rec.norm is not None:
                 f = factor if isinstance(factor, torch.Tensor) else torch.tensor(factor)
-                rec.norm = rec.norm * f.abs().to(rec.norm)
+                # |factor| <= 1 (unscaling, clipping) keeps finite values finite and the flag
+                # valid; a larger factor could overflow: recompute on the next read
+                f = f.abs().to(rec.norm)
+                if f.device.type == "cpu" and bool(f > 1.0):
+                    rec.norm = rec.flag = None
+                else:
+                    rec.norm = rec.norm * f
 
 
 # ---------------------------------------------------------------------------------------
@@ -276,3 +285,31 @@ def reducer_scale_(params: Iterable[torch.Tensor], factor) -> bool:
     for epi, buckets in cover:
         epi.scale_(buckets, factor)
     return True
+
+
+def reducer_clip_(params: Sequence[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                  error_if_nonfinite: bool = False) -> torch.Tensor | None:
+    """``torch.nn.utils.clip_grad_norm_`` from the reducers' figures, or None (then the
+    caller computes it the usual way: another norm type, or ``params`` not covered, see
+    :func:`reducer_norm_for`).
+
+    The norm costs no pass over the gradients beyond the epilogue's; the multiply is one op
+    per lent bucket with torch's coefficient ``min(max_norm / (norm + 1e-6), 1)``, skipped on
+    the CPU when that coefficient is 1 (a multiply by 1 changes nothing; on other devices it
+    runs, as in torch, to avoid a host sync).
+    """
+    if float(norm_type) != 2.0:
+        return None
+    params = list(params)
+    total = reducer_norm_for(params)
+    if total is None:
+        return None
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"the total 2-norm of the gradients is {total.item()}, so it cannot be clipped; "
+            "pass error_if_nonfinite=False to scale the gradients by it anyway (or skip the "
+            "step: reducer.found_inf / tribucket.amp.GradScaler tell when)")
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    if total.device.type != "cpu" or bool(coef < 1.0):
+        reducer_scale_(params, coef)
+    return total

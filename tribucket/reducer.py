@@ -618,6 +618,8 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
             self._log_buckets(st.bucket_comm_s)
         if self._should_rebuild():
             self._rebuild(self._ready_order)
+            for b in range(len(self._layout.buckets)):  # the averaged gradients, re-bucketed
+                self._epilogue.finished(b)
 
     def _wait_buckets(self, p: _Pass) -> list:
         results = []

@@ -1,0 +1,218 @@
+"""Step time with gradient clipping and loss scaling: torch's passes against the reducer's
+epilogue, on gloo CPU processes, in one run.
+
+Two ranks (one intra-op thread each) train the same model on the same data; every variant
+runs forward, backward, ``clip_grad_norm_(max_norm=1.0)`` and an AdamW step:
+
+* ``DDP + torch clip``        DDP, ``torch.nn.utils.clip_grad_norm_`` (the baseline)
+* ``tribucket + torch clip``  the reducer, torch's clip (what the reducer alone changes)
+* ``tribucket + fused clip``  the reducer, ``tribucket.clip_grad_norm_`` (the reducer's norm)
+* ``DDP + GradScaler``        the same with ``torch.amp.GradScaler``: scale, unscale_, clip, step
+* ``tribucket + GradScaler``  ``tribucket.amp.GradScaler`` (the reducer's inf flag) and
+  ``tribucket.clip_grad_norm_``
+
+The scaler variants scale the loss but compute in float32: fp16 autocast on this CPU takes
+seconds per step, and what differs between the two scalers (the inf scan, the unscale and
+clip multiplies) is the same pass over the gradients either way.
+
+Variants run round-robin (one step of each per round) so drift in machine load hits all of
+them alike; the figure is the median over rounds after warm-up, of rank 0's step time. The
+1-minute load average is recorded before and after.
+
+    python perf/bench_epilogue.py                # both models, writes perf/results/epilogue.*
+    python perf/bench_epilogue.py --rounds 5     # quicker
+    python perf/bench_epilogue.py --render       # re-make the .md/.png from the .json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_step import _free_port, make_model  # noqa: E402 - the models of the step bench
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+NAME = "epilogue"
+VARIANTS = ["DDP + torch clip", "tribucket + torch clip", "tribucket + fused clip",
+            "DDP + GradScaler", "tribucket + GradScaler"]
+BASELINE = {"tribucket + torch clip": "DDP + torch clip",
+            "tribucket + fused clip": "DDP + torch clip",
+            "tribucket + GradScaler": "DDP + GradScaler"}
+MAX_NORM = 1.0
+#: issue 16's target: backward + clip + AdamW, tribucket's over DDP + torch's clip, on the MLP
+TARGETS = {("mlp", "tribucket + fused clip"): 0.90}
+
+
+def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warmup: int,
+            out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    import tribucket
+
+    steps = {}
+    for name in VARIANTS:
+        model, x = make_model(model_name)
+        reducer = tribucket.Reducer(model) if name.startswith("tribucket") else None
+        forward = model if reducer is not None else nn.parallel.DistributedDataParallel(model)
+        scaler = None
+        if name.endswith("GradScaler"):
+            cls = tribucket.amp.GradScaler if reducer is not None else torch.amp.GradScaler
+            scaler = cls("cpu", init_scale=2.0**10)
+        clip = (tribucket.clip_grad_norm_ if name.endswith(("fused clip", "GradScaler"))
+                and reducer is not None else torch.nn.utils.clip_grad_norm_)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        steps[name] = (model, forward, opt, reducer, scaler, clip)
+    x = x + rank  # different data per rank
+
+    def run(name) -> float:
+        model, forward, opt, _, scaler, clip = steps[name]
+        opt.zero_grad(set_to_none=True)
+        loss = forward(x).float().square().mean()
+        if scaler is None:
+            loss.backward()
+            norm = clip(model.parameters(), MAX_NORM)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norm = clip(model.parameters(), MAX_NORM)
+            scaler.step(opt)
+            scaler.update()
+        return float(norm)
+
+    times = {k: [] for k in VARIANTS}
+    norms = {k: [] for k in VARIANTS}
+    for it in range(warmup + rounds):
+        for name in VARIANTS:
+            dist.barrier()
+            t0 = time.perf_counter()
+            norm = run(name)
+            dt = time.perf_counter() - t0
+            if it >= warmup:
+                times[name].append(dt)
+                norms[name].append(norm)
+    if rank == 0:
+        out = {
+            "model": model_name,
+            "params": sum(p.numel() for p in steps[VARIANTS[0]][0].parameters()),
+            "tensors": len(list(steps[VARIANTS[0]][0].parameters())),
+            "median_s": {k: statistics.median(v) for k, v in times.items()},
+            "all_s": times,
+            # how often clipping was active (the norm above max_norm): the multiply then runs
+            "clipped": {k: sum(n > MAX_NORM for n in v) / len(v) for k, v in norms.items()},
+        }
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+    for *_, reducer, _, _ in steps.values():
+        if reducer is not None:
+            reducer.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(model_name: str, rounds: int, warmup: int, world: int = 2) -> dict:
+    tmp = RESULTS / f".{NAME}_{model_name}.json"
+    mp.spawn(_worker, args=(world, _free_port(), model_name, rounds, warmup, str(tmp)),
+             nprocs=world)
+    data = json.loads(tmp.read_text())
+    tmp.unlink()
+    return data
+
+
+def table(results: list[dict], meta: dict) -> str:
+    load0, load1 = meta["loadavg_start"][0], meta["loadavg_end"][0]
+    lines = [f"Training step (forward, backward, clip_grad_norm_(1.0), AdamW), 2 gloo ranks x 1 "
+             f"intra-op thread on a {meta['cpus']}-CPU {meta['machine']} machine, torch "
+             f"{meta['torch']}; median of {meta['rounds']} rounds after {meta['warmup']} "
+             f"warm-up, variants interleaved; 1-min load average {load0:.2f} at the start, "
+             f"{load1:.2f} at the end.", "",
+             "| model | variant | step (ms) | vs baseline | clipping active |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    for res in results:
+        med = res["median_s"]
+        for v in VARIANTS:
+            ref = BASELINE.get(v)
+            vs = f"{med[v] / med[ref]:.2f}× {ref}" if ref else "baseline"
+            lines.append(f"| {res['model']} ({res['tensors']} tensors, "
+                         f"{res['params'] / 1e6:.1f} M params) | {v} | {med[v] * 1e3:.1f} | "
+                         f"{vs} | {res['clipped'][v]:.0%} of steps |")
+    lines.append("")
+    verdicts = []
+    for res in results:
+        for (m, v), limit in TARGETS.items():
+            if res["model"] == m:
+                ratio = res["median_s"][v] / res["median_s"][BASELINE[v]]
+                verdicts.append(f"{m} {v} <= {limit:.2f}x {BASELINE[v]}: {ratio:.2f}x, "
+                                f"{'met' if ratio <= limit else 'NOT met'}")
+    lines.append("Target: " + "; ".join(verdicts) + ".")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4))
+    if len(results) == 1:
+        axes = [axes]
+    colors = ["#d62728", "#aec7e8", "#1f77b4", "#ff9896", "#6baed6"]
+    for ax, res in zip(axes, results):
+        ax.bar(range(len(VARIANTS)), [res["median_s"][v] * 1e3 for v in VARIANTS],
+               color=colors)
+        ax.set_xticks(range(len(VARIANTS)), VARIANTS, rotation=30, ha="right")
+        ax.set_ylabel("step time, ms (median)")
+        ax.set_title(f"{res['model']}: backward + clip + AdamW, 2 gloo ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write(data: dict) -> str:
+    md = table(data["results"], data["meta"])
+    (RESULTS / f"{NAME}.md").write_text(md + "\n")
+    plot(data["results"], RESULTS / f"{NAME}.png")
+    return md
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="mlp,transformer")
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--render", action="store_true",
+                   help=f"re-make {NAME}.md and {NAME}.png from {NAME}.json without measuring")
+    args = p.parse_args(argv)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        print(write(json.loads((RESULTS / f"{NAME}.json").read_text())))
+        return
+    loadavg = list(os.getloadavg())
+    results = []
+    for name in args.models.split(","):
+        t0 = time.time()
+        results.append(measure(name, args.rounds, args.warmup))
+        print(f"{name}: done in {time.time() - t0:.0f}s", file=sys.stderr)
+    meta = {"torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
+            "rounds": args.rounds, "warmup": args.warmup, "loadavg_start": loadavg,
+            "loadavg_end": list(os.getloadavg())}
+    data = {"meta": meta, "results": results}
+    (RESULTS / f"{NAME}.json").write_text(json.dumps(data, indent=1))
+    print(write(data))
+
+
+if __name__ == "__main__":
+    main()
