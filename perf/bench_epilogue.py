@@ -37,11 +37,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_step import _free_port, make_model  # noqa: E402 - the models of the step bench
+from _bench import bar_plot, close_worker, init_worker, spawn_measure  # noqa: E402
+from bench_step import make_model  # noqa: E402 - the models of the step bench
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 NAME = "epilogue"
@@ -57,9 +57,7 @@ TARGETS = {("mlp", "tribucket + fused clip"): 0.90}
 
 def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warmup: int,
             out_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    init_worker(rank, world, port)
     import tribucket
 
     steps = {}
@@ -116,20 +114,7 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
         }
         with open(out_path, "w") as f:
             json.dump(out, f)
-    for *_, reducer, _, _ in steps.values():
-        if reducer is not None:
-            reducer.close()
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def measure(model_name: str, rounds: int, warmup: int, world: int = 2) -> dict:
-    tmp = RESULTS / f".{NAME}_{model_name}.json"
-    mp.spawn(_worker, args=(world, _free_port(), model_name, rounds, warmup, str(tmp)),
-             nprocs=world)
-    data = json.loads(tmp.read_text())
-    tmp.unlink()
-    return data
+    close_worker(reducer for *_, reducer, _, _ in steps.values())
 
 
 def table(results: list[dict], meta: dict) -> str:
@@ -162,23 +147,8 @@ def table(results: list[dict], meta: dict) -> str:
 
 
 def plot(results: list[dict], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4))
-    if len(results) == 1:
-        axes = [axes]
     colors = ["#d62728", "#aec7e8", "#1f77b4", "#ff9896", "#6baed6"]
-    for ax, res in zip(axes, results):
-        ax.bar(range(len(VARIANTS)), [res["median_s"][v] * 1e3 for v in VARIANTS],
-               color=colors)
-        ax.set_xticks(range(len(VARIANTS)), VARIANTS, rotation=30, ha="right")
-        ax.set_ylabel("step time, ms (median)")
-        ax.set_title(f"{res['model']}: backward + clip + AdamW, 2 gloo ranks")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    bar_plot(results, VARIANTS, colors, "{model}: backward + clip + AdamW, 2 gloo ranks", path)
 
 
 def write(data: dict) -> str:
@@ -204,7 +174,8 @@ def main(argv=None) -> None:
     results = []
     for name in args.models.split(","):
         t0 = time.time()
-        results.append(measure(name, args.rounds, args.warmup))
+        results.append(spawn_measure(_worker, RESULTS / f".{NAME}_{name}.json", name,
+                                     args.rounds, args.warmup))
         print(f"{name}: done in {time.time() - t0:.0f}s", file=sys.stderr)
     meta = {"torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
             "rounds": args.rounds, "warmup": args.warmup, "loadavg_start": loadavg,
