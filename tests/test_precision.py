@@ -311,3 +311,22 @@ def test_grad_scaler_matches_torch_on_ddp(dist_run, dtype, clip):
             # no second inf scan: the reducer's flag served every unscale_
             assert all(n == 0 for _, _, n in log), f"inf scans per step: {log}"
         assert finite and all(same), f"parameters differ from torch's: {same}"
+
+
+def _ddp_generic_overflow():
+    """tribucket's fp16 hook under torch DDP (the generic path), CompressionState's flag."""
+    model = nn.parallel.DistributedDataParallel(_Direct())
+    state = hooks.CompressionState(check_overflow=True)
+    model.register_comm_hook(state, hooks.fp16_compress_hook)
+    flags = []
+    for c in (1.0, 80000.0):  # 80000 / 2 fits fp16 on each rank, the sum does not
+        state.found_inf.zero_()
+        model(torch.full((6,), c)).backward()
+        flags.append((state.found_inf.item(), bool(torch.isfinite(model.module.w.grad).all())))
+        model.zero_grad()
+    return flags
+
+
+def test_compression_state_flags_the_sum_under_ddp(dist_run):
+    for flags in dist_run(_ddp_generic_overflow, world_size=2):
+        assert flags == [(0.0, True), (1.0, False)], flags

@@ -171,8 +171,9 @@ class Epilogue:
     def found_inf(self, out: torch.Tensor) -> torch.Tensor:
         """Fill ``out`` (1 element) with 1.0 when a gradient of the reducer is inf/NaN."""
         flags = [self.figures(b)[1] for b in range(len(self.params))]
-        out.copy_(torch.stack(flags).amax().reshape(out.shape) if flags else out.zero_())
-        return out
+        if not flags:
+            return out.zero_()
+        return out.copy_(torch.stack(flags).amax().reshape(out.shape))
 
     def grad_norm(self) -> torch.Tensor:
         """Total 2-norm of the reducer's gradients (0-dim float32)."""
@@ -235,8 +236,9 @@ def _cover(params: Sequence[torch.Tensor]) -> list[tuple[Epilogue, list[int]]] |
     if not params:
         return None
     owned: dict[Epilogue, list] = {}
+    live = list(_LIVE)
     for q in params:
-        for epi in list(_LIVE):
+        for epi in live:
             if id(q) in epi.bucket_of:
                 owned.setdefault(epi, []).append(q)
                 break
