@@ -175,12 +175,12 @@ class _Counter:
         setattr(self.owner, self.name, self.orig)
 
 
-def _twins(name, **reducer_kw):
+def _twins(name, find_unused=False, **reducer_kw):
     """The same model under tribucket (a reducer) and under DDP."""
     from models import build
     ours, ref = build(name), build(name)
-    reducer = tribucket.Reducer(ours, **reducer_kw)
-    ddp = nn.parallel.DistributedDataParallel(ref)
+    reducer = tribucket.Reducer(ours, find_unused_parameters=find_unused, **reducer_kw)
+    ddp = nn.parallel.DistributedDataParallel(ref, find_unused_parameters=find_unused)
     return ours, ref, ddp, reducer
 
 
@@ -244,10 +244,14 @@ def test_clip_grad_norm_equals_torch(dist_run, name, wire):
 def _grad_norm_vs_dense(name):
     """reducer.grad_norm() against the norm of the dense averaged gradient."""
     from models import batch, loss_of
-    ours, ref, ddp, reducer = _twins(name, bucket_cap_mb=0.001)
-    x = batch(name, dist.get_rank(), 0)
-    loss_of(ours(x)).backward()
-    loss_of(ddp(x)).backward()
+    unused = name == "branchy"  # a branch used on one rank only, a layer never used
+    ours, ref, ddp, reducer = _twins(name, bucket_cap_mb=0.001, find_unused=unused)
+    for step in range(2):  # the second after the rebuild
+        for m in (ours, ref):
+            m.zero_grad()
+        x = batch(name, dist.get_rank(), step)
+        loss_of(ours(x)).backward()
+        loss_of(ddp(x)).backward()
     dense = torch.cat([p.grad.double().reshape(-1) for p in ref.parameters()
                        if p.grad is not None])
     got = reducer.grad_norm().item()
@@ -255,14 +259,14 @@ def _grad_norm_vs_dense(name):
     return got, torch.linalg.vector_norm(dense).item()
 
 
-@pytest.mark.parametrize("name", ["mixed", "bn_channels_last", "tied"])
+@pytest.mark.parametrize("name", ["mixed", "bn_channels_last", "tied", "branchy"])
 def test_grad_norm_equals_dense_reference(dist_run, name):
     for got, want in dist_run(_grad_norm_vs_dense, name, world_size=2):
         assert got == pytest.approx(want, rel=2e-3 if name == "mixed" else 1e-5)
 
 
 # ---------------------------------------------------------------- GradScaler
-def _scaler_vs_torch(dtype, clip):
+def _scaler_vs_torch(dtype, mode):
     from models import batch, loss_of
     rank = dist.get_rank()
     ours, ref, ddp, reducer = _twins("mlp", bucket_cap_mb=0.001)
@@ -270,8 +274,11 @@ def _scaler_vs_torch(dtype, clip):
     # a huge initial scale: the first steps overflow in fp16 and are skipped
     kw = dict(init_scale=2.0**30, growth_interval=2, enabled=enabled)
     s_ours, s_ref = tribucket.amp.GradScaler("cpu", **kw), torch.amp.GradScaler("cpu", **kw)
-    o_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2)
-    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    # "fused": AdamW(fused=True) unscales inside its step (no unscale_): the scaler only asks
+    # for the inf flag (GradScaler._check_inf_per_device)
+    fused = mode == "fused optimizer"
+    o_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2, fused=fused)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=fused)
     log = []
     for step in range(8):
         x = batch("mlp", rank, step)
@@ -282,8 +289,9 @@ def _scaler_vs_torch(dtype, clip):
                 loss = loss_of(fwd(x))
             with _Counter(torch, "_amp_foreach_non_finite_check_and_unscale_") as scan:
                 scaler.scale(loss).backward()
-                scaler.unscale_(opt)
-                if clip:
+                if not fused:
+                    scaler.unscale_(opt)
+                if mode == "unscale + clip":
                     (tribucket.clip_grad_norm_ if model is ours
                      else torch.nn.utils.clip_grad_norm_)(model.parameters(), 1.0)
                 scaler.step(opt)
@@ -299,10 +307,12 @@ def _scaler_vs_torch(dtype, clip):
     return log, same, finite
 
 
-@pytest.mark.parametrize("dtype,clip", [(torch.float16, True), (torch.float16, False),
-                                        (torch.bfloat16, True)])
-def test_grad_scaler_matches_torch_on_ddp(dist_run, dtype, clip):
-    for log, same, finite in dist_run(_scaler_vs_torch, dtype, clip, world_size=2):
+@pytest.mark.parametrize("dtype,mode", [(torch.float16, "unscale + clip"),
+                                        (torch.float16, "unscale"),
+                                        (torch.float16, "fused optimizer"),
+                                        (torch.bfloat16, "unscale + clip")])
+def test_grad_scaler_matches_torch_on_ddp(dist_run, dtype, mode):
+    for log, same, finite in dist_run(_scaler_vs_torch, dtype, mode, world_size=2):
         scales = [(a, b) for a, b, _ in log]
         assert all(a == b for a, b in scales), f"loss scales differ: {scales}"
         if dtype == torch.float16:
