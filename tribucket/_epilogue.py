@@ -136,7 +136,7 @@ class Epilogue:
             if ref is None:
                 if g is not None:
                     return None
-            elif g is not ref() or g._version != v:
+            elif g is None or g is not ref() or g._version != v:
                 return None
         return rec
 
@@ -144,7 +144,9 @@ class Epilogue:
         return [q.grad for q in self.params[b] if q.grad is not None]
 
     def _flat(self, b: int) -> torch.Tensor | None:
-        """The bucket's averaged buffer when every gradient is a view of it (lent)."""
+        """The bucket's averaged buffer when every gradient is a view of it (lent). Only for a
+        fresh bucket: then a parameter without a gradient has a zero slot (unused on every
+        rank: the pack wrote zeros); after a user's ``p.grad = None`` its slot is stale."""
         mem = self.mems[b]
         buf = mem.lent
         if buf is None or not all(q.grad is None or mem.is_view(k, q.grad, buf)
@@ -158,7 +160,7 @@ class Epilogue:
         rec = self.fresh(b) if self.mems[b] is not None else None
         if rec is not None and rec.norm is not None:
             return rec.norm, rec.flag
-        flat = self._flat(b) if self.mems[b] is not None else None
+        flat = self._flat(b) if rec is not None else None
         tensors = [flat] if flat is not None else self._grads(b)
         if any(t.is_sparse for t in tensors):
             tensors = [t.coalesce()._values() if t.is_sparse else t for t in tensors]
