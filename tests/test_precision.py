@@ -347,3 +347,28 @@ def _ddp_generic_overflow():
 def test_compression_state_flags_the_sum_under_ddp(dist_run):
     for flags in dist_run(_ddp_generic_overflow, world_size=2):
         assert flags == [(0.0, True), (1.0, False)], flags
+
+
+def _passes_during_backward(wire):
+    """Reads of the gradients the reducer makes for the epilogue during a plain backward."""
+    from models import batch, loss_of
+    ours, ref, ddp, reducer = _twins("mlp", bucket_cap_mb=0.001)
+    if wire == "fp16":
+        reducer.register_comm_hook(None, hooks.fp16_compress_hook)
+    reads = []
+    for step in range(3):
+        with _Counter(torch.linalg, "vector_norm") as vn, \
+                _Counter(torch, "_foreach_norm") as fn, _Counter(torch, "isfinite") as fin:
+            loss_of(ours(batch("mlp", dist.get_rank(), step))).backward()
+        reads.append(vn.calls + fn.calls + fin.calls)
+        ours.zero_grad()
+    first = reducer.found_inf.item()  # asked for: computed now, once per bucket
+    reducer.close()
+    return reads, first
+
+
+@pytest.mark.parametrize("wire", ["fp32", "fp16"])
+def test_epilogue_costs_nothing_when_nobody_asks(dist_run, wire):
+    for reads, flag in dist_run(_passes_during_backward, wire, world_size=2):
+        assert reads == [0, 0, 0], f"norm/isfinite calls during backward: {reads}"
+        assert flag == 0.0
