@@ -137,13 +137,14 @@ def _unpack_kernel(
     block_start,    # *int64 [NB]: first element (inside that tensor) program b writes
     buffer,         # *BUF [numel]: the flat bucket
     scale,          # fp32: multiplier (unused if COPY)
-    partials,       # *fp32 [NB]: program b's sum of squares of what it wrote (used if STATS)
-    nonfinite,      # *fp32 [1]: set to 1.0 when a written value is inf/NaN (used if STATS)
     DST: tl.constexpr,         # element type behind dst_ptrs
     COPY: tl.constexpr,        # store the loaded bits unchanged (BUF == DST, scale 1)
     ACCUMULATE: tl.constexpr,  # dst = cast(dst + buffer * scale) instead of cast(buffer * scale)
-    STATS: tl.constexpr,       # the epilogue: per-program sum of squares and non-finite flag
     BLOCK: tl.constexpr,
+    # the epilogue (the reducer's norm and inf/NaN flag), off unless STATS:
+    partials=None,             # *fp32 [NB]: program b's sum of squares of what it wrote
+    nonfinite=None,            # *fp32 [1]: set to 1.0 when a written value is inf/NaN
+    STATS: tl.constexpr = False,
 ):
     """dst_t[i] = cast(buffer[offsets[t] + i] * scale) (+ dst_t[i] if ACCUMULATE).
 
@@ -333,13 +334,13 @@ class _TritonPath:
         for tab, buf, dst_t, copy in launches:
             if tab.nblocks == 0:
                 continue
-            partials = tab.partials() if stats is not None else tab.sizes
+            epilogue = {}
+            if stats is not None:
+                epilogue = dict(partials=tab.partials(), nonfinite=stats[1:], STATS=True)
             _unpack_kernel[(tab.nblocks,)](
                 tab.pointers(tensors), tab.sizes, tab.offsets, tab.block_tensor,
-                tab.block_start, buf, scale, partials,
-                stats[1:] if stats is not None else tab.sizes, DST=dst_t, COPY=copy,
-                ACCUMULATE=accumulate, STATS=stats is not None, BLOCK=BLOCK,
-                num_warps=_NUM_WARPS, enable_fp_fusion=False)
-            if stats is not None:
-                stats[0] += partials.sum()  # NB floats: one small reduction, no host sync
+                tab.block_start, buf, scale, DST=dst_t, COPY=copy, ACCUMULATE=accumulate,
+                BLOCK=BLOCK, num_warps=_NUM_WARPS, enable_fp_fusion=False, **epilogue)
+            if stats is not None:  # NB floats: one small reduction, no host sync
+                stats[0] += epilogue["partials"].sum()
         return True
