@@ -35,8 +35,8 @@ import torch
 
 from .kernels.pack import norms_fp32
 
-__all__ = ["Epilogue", "reducer_clip_", "reducer_found_inf_for", "reducer_norm_for",
-           "reducer_scale_"]
+__all__ = ["Epilogue", "reducer_clip_", "reducer_clip_with_norm_", "reducer_found_inf_for",
+           "reducer_norm_for", "reducer_scale_"]
 
 _LIVE: "weakref.WeakSet[Epilogue]" = weakref.WeakSet()  # epilogues of attached reducers
 
@@ -291,16 +291,32 @@ def reducer_scale_(params: Iterable[torch.Tensor], factor) -> bool:
     return True
 
 
+def reducer_clip_with_norm_(params: Sequence[torch.Tensor], max_norm: float,
+                            total: torch.Tensor) -> bool:
+    """``torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)`` through the
+    reducers' buckets: torch's coefficient ``min(max_norm / (total + 1e-6), 1)``, one multiply
+    per lent bucket, skipped on the CPU when the coefficient is 1 (a multiply by 1 changes
+    nothing; on other devices it runs, as in torch, to avoid a host sync). False (nothing
+    done) when ``params`` are not covered (see :func:`reducer_norm_for`).
+
+    ``total`` may be larger than ``params``' own norm (expert-parallel parameters counted in
+    it and clipped by the caller).
+    """
+    params = list(params)
+    if _cover(params) is None:
+        return False
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    if total.device.type != "cpu" or bool(coef < 1.0):
+        reducer_scale_(params, coef)
+    return True
+
+
 def reducer_clip_(params: Sequence[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                   error_if_nonfinite: bool = False) -> torch.Tensor | None:
     """``torch.nn.utils.clip_grad_norm_`` from the reducers' figures, or None (then the
     caller computes it the usual way: another norm type, or ``params`` not covered, see
-    :func:`reducer_norm_for`).
-
-    The norm costs no pass over the gradients beyond the epilogue's; the multiply is one op
-    per lent bucket with torch's coefficient ``min(max_norm / (norm + 1e-6), 1)``, skipped on
-    the CPU when that coefficient is 1 (a multiply by 1 changes nothing; on other devices it
-    runs, as in torch, to avoid a host sync).
+    :func:`reducer_norm_for`). The norm costs no pass over the gradients beyond the
+    epilogue's; the multiply is :func:`reducer_clip_with_norm_`'s.
     """
     if float(norm_type) != 2.0:
         return None
@@ -313,7 +329,5 @@ def reducer_clip_(params: Sequence[torch.Tensor], max_norm: float, norm_type: fl
             f"the total 2-norm of the gradients is {total.item()}, so it cannot be clipped; "
             "pass error_if_nonfinite=False to scale the gradients by it anyway (or skip the "
             "step: reducer.found_inf / tribucket.amp.GradScaler tell when)")
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    if total.device.type != "cpu" or bool(coef < 1.0):
-        reducer_scale_(params, coef)
+    reducer_clip_with_norm_(params, max_norm, total)
     return total
