@@ -81,32 +81,39 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
         steps[name] = (model, forward, opt, reducer, scaler, clip, max_norm)
     x = x + rank  # different data per rank
 
-    def run(name) -> float:
+    def run(name) -> tuple[float, float]:
+        """One step; returns the norm and the seconds of unscale_ + clip (what differs)."""
         model, forward, opt, _, scaler, clip, max_norm = steps[name]
         opt.zero_grad(set_to_none=True)
         loss = forward(x).float().square().mean()
         if scaler is None:
             loss.backward()
+            t = time.perf_counter()
             norm = clip(model.parameters(), max_norm)
+            t = time.perf_counter() - t
             opt.step()
         else:
             scaler.scale(loss).backward()
+            t = time.perf_counter()
             scaler.unscale_(opt)
             norm = clip(model.parameters(), max_norm)
+            t = time.perf_counter() - t
             scaler.step(opt)
             scaler.update()
-        return float(norm)
+        return float(norm), t
 
     times = {k: [] for k in VARIANTS}
+    epilogue = {k: [] for k in VARIANTS}  # seconds of unscale_ + clip_grad_norm_
     norms = {k: [] for k in VARIANTS}
     for it in range(warmup + rounds):
         for name in VARIANTS:
             dist.barrier()
             t0 = time.perf_counter()
-            norm = run(name)
+            norm, t_clip = run(name)
             dt = time.perf_counter() - t0
             if it >= warmup:
                 times[name].append(dt)
+                epilogue[name].append(t_clip)
                 norms[name].append(norm > steps[name][6])
     if rank == 0:
         out = {
@@ -115,6 +122,7 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
             "tensors": len(list(steps[VARIANTS[0]][0].parameters())),
             "median_s": {k: statistics.median(v) for k, v in times.items()},
             "all_s": times,
+            "clip_s": {k: statistics.median(v) for k, v in epilogue.items()},
             # how often clipping was active (the norm above max_norm): the multiply then runs
             "clipped": {k: sum(v) / len(v) for k, v in norms.items()},
         }
@@ -123,29 +131,50 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
     close_worker(reducer for *_, reducer, _, _, _ in steps.values())
 
 
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(xs, n=4)
+    return q[0], q[2]
+
+
+def _paired_ratio(res: dict, v: str) -> tuple[float, float, float]:
+    """Median and quartiles over rounds of ``v``'s step time over its baseline's step time in
+    the same round (the two ran back to back, so a load swing hits both)."""
+    ref = BASELINE[v]
+    ratios = [a / b for a, b in zip(res["all_s"][v], res["all_s"][ref])]
+    return (statistics.median(ratios), *_quartiles(ratios))
+
+
 def table(results: list[dict], meta: dict) -> str:
     load0, load1 = meta["loadavg_start"][0], meta["loadavg_end"][0]
     lines = [f"Training step (forward, backward, clip_grad_norm_, AdamW), 2 gloo ranks x 1 "
              f"intra-op thread on a {meta['cpus']}-CPU {meta['machine']} machine, torch "
              f"{meta['torch']}; median of {meta['rounds']} rounds after {meta['warmup']} "
              f"warm-up, variants interleaved; 1-min load average {load0:.2f} at the start, "
-             f"{load1:.2f} at the end.", "",
-             "| model | variant | step (ms) | vs baseline | clipping active |",
-             "| --- | --- | ---: | ---: | ---: |"]
+             f"{load1:.2f} at the end. *vs baseline*: the median over rounds of the step time "
+             f"over the baseline's in the same round, with its quartiles. *unscale_ + clip*: "
+             f"the median time of those calls alone (what the variants change).", "",
+             "| model | variant | step (ms) | quartiles (ms) | vs baseline | unscale_ + clip (ms) "
+             "| clipping active |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for res in results:
         med = res["median_s"]
         for v in VARIANTS:
-            ref = BASELINE.get(v)
-            vs = f"{med[v] / med[ref]:.2f}× {ref}" if ref else "baseline"
+            lo, hi = _quartiles(res["all_s"][v])
+            if v in BASELINE:
+                r, rlo, rhi = _paired_ratio(res, v)
+                vs = f"{r:.2f}× ({rlo:.2f}–{rhi:.2f}) {BASELINE[v]}"
+            else:
+                vs = "baseline"
             lines.append(f"| {res['model']} ({res['tensors']} tensors, "
                          f"{res['params'] / 1e6:.1f} M params) | {v} | {med[v] * 1e3:.1f} | "
-                         f"{vs} | {res['clipped'][v]:.0%} of steps |")
+                         f"{lo * 1e3:.0f}–{hi * 1e3:.0f} | {vs} | {res['clip_s'][v] * 1e3:.2f} | "
+                         f"{res['clipped'][v]:.0%} of steps |")
     lines.append("")
     verdicts = []
     for res in results:
         for (m, v), limit in TARGETS.items():
             if res["model"] == m:
-                ratio = res["median_s"][v] / res["median_s"][BASELINE[v]]
+                ratio = _paired_ratio(res, v)[0]
                 verdicts.append(f"{m} {v} <= {limit:.2f}x {BASELINE[v]}: {ratio:.2f}x, "
                                 f"{'met' if ratio <= limit else 'NOT met'}")
     lines.append("Target: " + "; ".join(verdicts) + ".")
