@@ -16,10 +16,10 @@ def free_port() -> int:
 
 
 def spawn_measure(worker, tmp: pathlib.Path, model_name: str, rounds: int, warmup: int,
-                  world: int = 2) -> dict:
-    """Run ``worker(rank, world, port, model_name, rounds, warmup, out_path)`` on ``world``
-    processes; rank 0 writes its JSON result to ``tmp``, returned here."""
-    mp.spawn(worker, args=(world, free_port(), model_name, rounds, warmup, str(tmp)),
+                  world: int = 2, *extra) -> dict:
+    """Run ``worker(rank, world, port, model_name, rounds, warmup, out_path, *extra)`` on
+    ``world`` processes; rank 0 writes its JSON result to ``tmp``, returned here."""
+    mp.spawn(worker, args=(world, free_port(), model_name, rounds, warmup, str(tmp), *extra),
              nprocs=world)
     data = json.loads(tmp.read_text())
     tmp.unlink()
@@ -59,11 +59,16 @@ def close_worker(reducers) -> None:
     dist.destroy_process_group()
 
 
-def init_worker(rank: int, world: int, port: int) -> None:
-    """Start of a worker: one intra-op thread, join the gloo group on ``port``."""
+def init_worker(rank: int, world: int, port: int, backend: str = "gloo"):
+    """Start of a worker: one intra-op thread, join the ``backend`` group on ``port``;
+    returns the rank's device (``cuda:<rank>`` with nccl, else the CPU)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
+    return device

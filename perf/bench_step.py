@@ -55,8 +55,8 @@ def make_model(name: str) -> tuple[nn.Module, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warmup: int,
-            out_path: str) -> None:
-    init_worker(rank, world, port)
+            out_path: str, backend: str = "gloo") -> None:
+    device = init_worker(rank, world, port, backend)
     import tribucket
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -67,14 +67,14 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
 
     def fresh():
         model, x = make_model(model_name)
-        return model, x
+        return model.to(device), x.to(device)
 
     # local
     m, x = fresh()
     add("local", m, m, torch.optim.SGD(m.parameters(), lr=1e-4))
     # raw allreduce of one flat tensor holding every gradient
     m, x = fresh()
-    flat = torch.zeros(sum(p.numel() for p in m.parameters()))
+    flat = torch.zeros(sum(p.numel() for p in m.parameters()), device=device)
     add("raw allreduce", m, m, torch.optim.SGD(m.parameters(), lr=1e-4))
     # tribucket
     m, x = fresh()
@@ -119,8 +119,12 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
     for it in range(warmup + rounds):
         for name in VARIANTS:
             dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             run(name)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             if it >= warmup:
                 times[name].append(dt)
@@ -152,9 +156,10 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
     close_worker(reducer for *_, reducer in steps.values())
 
 
-def measure(model_name: str, rounds: int, warmup: int, world: int = 2) -> dict:
-    return spawn_measure(_worker, RESULTS / f".step_{model_name}.json", model_name, rounds,
-                         warmup, world)
+def measure(model_name: str, rounds: int, warmup: int, world: int = 2, backend: str = "gloo",
+            results: pathlib.Path = RESULTS) -> dict:
+    return spawn_measure(_worker, results / f".step_{model_name}.json", model_name, rounds,
+                         warmup, world, backend)
 
 
 # issue 4 and 5's targets: step time of tribucket over its DDP counterpart, at most
@@ -171,7 +176,8 @@ def table(results: list[dict], meta: dict | None = None) -> str:
     if meta:
         load = meta.get("loadavg")
         load_s = (f"; 1-min load average {load[0]:.2f} at the start" if load else "")
-        lines += [f"Training step (forward, backward, SGD), 2 gloo ranks x 1 intra-op thread on a "
+        lines += [f"Training step (forward, backward, SGD), {meta.get('world', 2)} "
+                  f"{meta.get('backend', 'gloo')} ranks x 1 intra-op thread on a "
                   f"{meta['cpus']}-CPU {meta['machine']} machine, torch {meta['torch']}; median "
                   f"of {meta['rounds']} rounds after {meta['warmup']} warm-up, variants "
                   f"interleaved{load_s}.", ""]
@@ -224,29 +230,41 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--render", action="store_true",
                    help="re-make step.md and step.png from step.json without measuring")
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
+                   help="nccl: one GPU a rank (cuda:rank)")
+    p.add_argument("--world", type=int, default=2, help="ranks (NCCL: at most one a GPU)")
+    p.add_argument("--out", default=str(RESULTS), help="directory for step.{json,md,png}")
     args = p.parse_args(argv)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.backend == "nccl" and args.world > torch.cuda.device_count():
+        p.error(f"--backend nccl --world {args.world} needs {args.world} GPUs; "
+                f"{torch.cuda.device_count()} visible: pass --world {max(1, torch.cuda.device_count())}")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     if args.render:  # re-make the table and plot from step.json (no measuring)
-        data = json.loads((RESULTS / "step.json").read_text())
+        data = json.loads((out / "step.json").read_text())
         md = table(data["results"], data["meta"])
-        (RESULTS / "step.md").write_text(md + "\n")
-        plot(data["results"], RESULTS / "step.png")
+        (out / "step.md").write_text(md + "\n")
+        plot(data["results"], out / "step.png")
         print(md)
         return
     loadavg = list(os.getloadavg())
     results = []
     for name in args.models.split(","):
         t0 = time.time()
-        res = measure(name, args.rounds, args.warmup)
+        res = measure(name, args.rounds, args.warmup, args.world, args.backend, out)
         print(f"{name}: done in {time.time() - t0:.0f}s", file=sys.stderr)
         results.append(res)
     meta = {"torch": torch.__version__, "machine": platform.machine(),
             "cpus": os.cpu_count(), "rounds": args.rounds, "warmup": args.warmup,
             "loadavg": loadavg}
-    (RESULTS / "step.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    if args.backend != "gloo" or args.world != 2:
+        meta.update(backend=args.backend, world=args.world)
+        if args.backend == "nccl":
+            meta["gpu"] = torch.cuda.get_device_name()
+    (out / "step.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     md = table(results, meta)
-    (RESULTS / "step.md").write_text(md + "\n")
-    plot(results, RESULTS / "step.png")
+    (out / "step.md").write_text(md + "\n")
+    plot(results, out / "step.png")
     print(md)
 
 

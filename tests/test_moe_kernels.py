@@ -30,8 +30,9 @@ def needs_triton(fn):
     return pytest.mark.interpreter(_skip_without_triton(fn))
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
-# (T, K, D): empty, single token, odd sizes, a row longer than one block (_BLOCK_D = 512)
-SHAPES = [(0, 2, 8), (1, 1, 1), (7, 2, 5), (19, 3, 130), (5, 2, 600)]
+# (T, K, D): empty, single token, odd sizes, rows longer than one block (512 fp32 or 1024
+# 16-bit elements)
+SHAPES = [(0, 2, 8), (1, 1, 1), (7, 2, 5), (19, 3, 130), (5, 2, 600), (2, 2, 1096)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -94,6 +95,43 @@ def test_permute_kernel_matches_reference(T, K, D, dtype, drop):
     _assert_equal("permute (triton vs reference)", got, want)
     if T * K <= 100:
         _assert_equal("permute (reference vs loop)", want.cpu(), _loop_permute(x.cpu(), dest.cpu(), N))
+
+
+def _misaligned(T, D, dtype, g):
+    """A contiguous [T, D] tensor whose storage starts one element past a 16-byte boundary."""
+    return torch.randn(T * D + 1, generator=g).to(dtype).to(DEV)[1:].view(T, D)
+
+
+@pytest.mark.parametrize("dtype,vec", [(torch.float32, 4), (torch.float16, 8), (torch.bfloat16, 8)])
+def test_row_align_takes_the_vector_kernel_only_when_every_row_is_aligned(dtype, vec):
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(4, 3 * vec, generator=g).to(dtype)
+    assert kmoe._row_align(3 * vec, a, a.clone()) == vec
+    assert kmoe._row_align(vec + 1, torch.zeros(4, vec + 1, dtype=dtype)) == 1
+    assert kmoe._row_align(3 * vec, a, _misaligned(4, 3 * vec, dtype, g)) == 1
+    assert kmoe._row_align(3 * vec, a, a.float()) == vec  # mixed: the narrower dtype decides
+    assert kmoe._row_align(2, torch.zeros(4, 2, dtype=torch.float32), torch.zeros(4, 2, dtype=dtype)) == 1
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_kernels_on_misaligned_rows_match_reference(dtype):
+    """Rows whose storage is one element off a 16-byte boundary take the scalar kernel."""
+    g = torch.Generator().manual_seed(11)
+    T, K, D = 6, 2, 16
+    dest, N = _routing(T, K, 0.3, seed=5)
+    x = _misaligned(T, D, dtype, g)
+    _assert_equal("permute (misaligned)", kmoe.moe_permute(x, dest, N, backend="triton"),
+                  moe_permute_reference(x, dest, N))
+    rows, w = _misaligned(N, D, dtype, g), torch.rand(T, K, generator=g).to(DEV)
+    atol, rtol = _ulp_tol(dtype)
+    torch.testing.assert_close(kmoe.moe_unpermute(rows, dest, w, backend="triton").float(),
+                               moe_unpermute_reference(rows, dest, w).float(), atol=atol, rtol=rtol)
+    grad_y = _misaligned(T, D, dtype, g)
+    got = kmoe.moe_unpermute_backward(grad_y, rows, dest, w, backend="triton")
+    want = moe_unpermute_backward_reference(grad_y, rows, dest, w)
+    torch.testing.assert_close(got[0].float(), want[0].float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-5)
 
 
 @needs_triton
