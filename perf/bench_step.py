@@ -86,8 +86,7 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
     add("tribucket chunked", m, m, torch.optim.SGD(m.parameters(), lr=1e-4), rc)
     # the GPU strategy on CPU: pack each bucket in one call when its last gradient arrives
     m, x = fresh()
-    rb = tribucket.Reducer(m)
-    rb._pack_mode = "0"
+    rb = tribucket.Reducer(m, pack_on_ready=False)
     add("tribucket bucket-pack", m, m, torch.optim.SGD(m.parameters(), lr=1e-4), rb)
     # DDP
     m, x = fresh()

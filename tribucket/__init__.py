@@ -13,7 +13,7 @@ from .clip import clip_grad_norm_
 from .config import ReducerConfig
 from .grad_bucket import GradBucket
 from .layout import NO_CAP, Bucket, BucketLayout, TensorSpec, compute_layout
-from .reducer import Reducer, ReducerStats, fused_bucketing
+from .ddp import Reducer, ReducerStats, fused_bucketing
 
 __version__ = "0.1.0"
 

@@ -32,9 +32,19 @@ class _HookTraits:
     chunkable: bool = False       # one averaging allreduce: the reducer may send it in chunks
 
 
+@dataclass(frozen=True)
+class _OwnHookTraits:
+    """What one of tribucket's own hooks declares (``@_mark``)."""
+
+    wire_dtype: torch.dtype | None  # pack straight into this dtype (fused compression)
+    prescale: bool                  # expects the 1/world_size division fused into pack
+    chunkable: bool                 # one averaging allreduce: may be sent in chunks
+
+
 def _mark(wire_dtype=None, prescale=True, chunkable=False):
     def deco(fn):
-        fn._tribucket_traits = (wire_dtype, prescale, chunkable)
+        fn._tribucket_traits = _OwnHookTraits(wire_dtype=wire_dtype, prescale=prescale,
+                                              chunkable=chunkable)
         return fn
     return deco
 
@@ -50,15 +60,16 @@ def _torch_single_collective_hooks() -> tuple:
 
 def _hook_traits(hook: Callable | None, state: Any) -> _HookTraits:
     if hook is None:  # the reducer's own averaging allreduce
-        return _HookTraits(True, None, True, False, True)
+        return _HookTraits(builtin=True, wire_dtype=None, prescale=True, serialize=False,
+                           chunkable=True)
     own = getattr(hook, "_tribucket_traits", None)
     if own is not None:
-        wire, prescale, chunkable = own
-        return _HookTraits(True, wire, prescale, False, chunkable)
+        return _HookTraits(builtin=True, wire_dtype=own.wire_dtype, prescale=own.prescale,
+                           serialize=False, chunkable=own.chunkable)
     if hook in _torch_single_collective_hooks():
-        return _HookTraits(False, None, False, False)
+        return _HookTraits(builtin=False, wire_dtype=None, prescale=False, serialize=False)
     # anything else may launch collectives from its future callbacks (PowerSGD does)
-    return _HookTraits(False, None, False, True)
+    return _HookTraits(builtin=False, wire_dtype=None, prescale=False, serialize=True)
 
 
 def _group_of(state: Any, bucket: Any = None) -> dist.ProcessGroup:

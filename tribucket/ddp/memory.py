@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import Bucket
+from ..layout import Bucket
 
 __all__ = ["BucketMemory"]
 
@@ -32,7 +32,8 @@ def _use_count(t: torch.Tensor) -> int:
 class BucketMemory:
     __slots__ = ("bucket", "params", "dtype", "plan", "always_view", "transfer", "active",
                  "lent", "eager", "_ptr_offsets", "_contiguous", "_gaps", "_base_count",
-                 "_mode", "_copied", "_checked", "_checked_unpack", "tail")
+                 "_mode", "_copied", "_checked", "_checked_unpack", "tail", "_dense",
+                 "_packed")
 
     def __init__(self, bucket: Bucket, params: list[torch.Tensor], wire_dtype: torch.dtype,
                  plan, always_view: bool, eager: bool = False, tail: int = 0):
@@ -60,6 +61,10 @@ class BucketMemory:
         self._mode = None                  # this pass: None, "copy" (eager) or "inplace"
         self._copied = bytearray(len(params))  # this pass: slot already holds its gradient
         self._checked = self._checked_unpack = False  # the kernels validated our tensors once
+        # every parameter contiguous and the slots back to back from 0: the whole bucket is
+        # lent with one C++ call (unflatten_dense_tensors) instead of a view per parameter
+        self._dense = all(self._contiguous) and self._gaps is None and not always_view
+        self._packed = False  # this pass: packed by one plan call into a buffer no .grad views
 
     @staticmethod
     def _gap_index(bucket: Bucket) -> torch.Tensor | None:
@@ -126,7 +131,7 @@ class BucketMemory:
             self.active = buf
         return buf
 
-    def put(self, k: int, g: torch.Tensor | None, scale: float, found_inf=None) -> None:
+    def put(self, k: int, g: torch.Tensor | None, scale: float) -> None:
         """Eager mode: put gradient ``k`` (times ``scale``; ``None``: zeros) in its slot now."""
         if self._mode is None:
             if self.transfer and self.lent is not None and self.is_view(k, g, self.lent):
@@ -152,17 +157,17 @@ class BucketMemory:
                 # point .grad at its slot now, as DDP does: autograd's tensor is freed at once
                 # and its memory is reused (still in cache) by the next gradient
                 self.params[k].grad = slot
-        if found_inf is not None and g is not None and not bool(torch.isfinite(view).all()):
-            found_inf.fill_(1.0)  # checked while the slot is still in cache
         self._copied[k] = 1
 
-    def pack(self, grads: list, scale: float, found_inf) -> torch.Tensor:
-        """Put the bucket's gradients (``None``: zeros) into the buffer, times ``scale``."""
+    def pack(self, grads: list, scale: float) -> torch.Tensor:
+        """Put the bucket's gradients (``None``: zeros) into the buffer, times ``scale``.
+        (Whether a value is inf/NaN is read after the sum, by the epilogue: a pack-time
+        check would miss a sum that overflows.)"""
         if self._mode is not None:
             # eager: the ready slots are filled; put the rest (zeros for missing gradients)
             for k, g in enumerate(grads):
                 if not self._copied[k]:
-                    self.put(k, g, scale, found_inf)
+                    self.put(k, g, scale)
             self._mode = None
             self._copied = bytearray(len(self.params))
             return self.active
@@ -177,27 +182,37 @@ class BucketMemory:
                     lent.narrow(0, self.bucket.offsets[k], self.bucket.sizes[k]).zero_()
             if scale != 1.0:
                 lent.mul_(scale)
-            if found_inf is not None and not bool(torch.isfinite(lent).all()):
-                found_inf.fill_(1.0)
             return lent
         buf = self._acquire()
-        # the kernels take dense, contiguous sources (a channels_last gradient is copied)
-        grads = [g if g is None or g.is_contiguous() else g.contiguous() for g in grads]
-        self.plan.pack(grads, self.body(buf), scale=scale, found_inf=found_inf,
-                       check=not self._checked)
+        if not self._dense:
+            # the kernels take dense, contiguous sources (a channels_last gradient is copied);
+            # a contiguous parameter's gradient is contiguous (autograd's layout contract)
+            grads = [g if g is None or g.is_contiguous() else g.contiguous() for g in grads]
+        self._packed = True
+        self.plan.pack(grads, self.body(buf), scale=scale, check=not self._checked)
         self._checked = True  # same tensors every iteration: validate them once
         return buf
 
-    def finish(self, result: torch.Tensor, targets: list[bool],
+    def finish(self, result: torch.Tensor, targets: list[bool], all_targets: bool = False,
                stats: torch.Tensor | None = None) -> bool:
-        """Make ``result`` (the reduced bucket) the gradients of the ``targets`` params.
+        """Make ``result`` (the reduced bucket) the gradients of the ``targets`` params
+        (``all_targets``: every parameter is a target).
 
         ``stats`` (``[sum of squares, non-finite flag]``, float32): filled by the unpack
         kernel when the result is unpacked (not lent); returns whether it was filled.
         """
         buf = self.active
+        packed, self._packed = self._packed, False
         if self.transfer and buf is not None and result.data_ptr() == buf.data_ptr() \
                 and result.dtype == buf.dtype:
+            if packed and self._dense and all_targets:
+                # a fresh (or free) buffer no gradient views yet: lend it whole, in one call
+                views = torch._C._nn.unflatten_dense_tensors(self.body(buf), self.params)
+                for q, v in zip(self.params, views):
+                    q.grad = v
+                self.lent, self.active = buf, None
+                self.plan.forget(self.body(buf))
+                return False
             for k, q in enumerate(self.params):
                 if not targets[k]:
                     continue  # unused on every rank: .grad is left as it was
@@ -218,7 +233,7 @@ class BucketMemory:
             return False
         if self.always_view and buf is not None and result.numel() == self.bucket.numel:
             self.body(buf).copy_(result)  # a hook returned another tensor: the bucket backs .grad
-            return self.finish(buf, targets)
+            return self.finish(buf, targets, all_targets)
         grads, strided = [], []
         for k, q in enumerate(self.params):
             g = q.grad if targets[k] else None
@@ -238,6 +253,14 @@ class BucketMemory:
             off, n = self.bucket.offsets[k], self.bucket.sizes[k]
             g.copy_(result.narrow(0, off, n).view(g.shape))
         return stats is not None
+
+    def zeros(self) -> torch.Tensor:
+        """The buffer this pass sends, all zeros (a Join shadow pass)."""
+        buf = self.active
+        if buf is None:
+            buf = self.active = self._new_buffer()
+        buf.zero_()
+        return buf
 
     def reset(self) -> None:
         self.active = self.lent = None
