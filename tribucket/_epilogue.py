@@ -33,6 +33,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ._tags import is_expert_parallel
 from .kernels.pack import norms_fp32
 
 __all__ = ["Epilogue", "reducer_clip_", "reducer_clip_with_norm_", "reducer_found_inf_for",
@@ -314,13 +315,13 @@ def reducer_clip_with_norm_(params: Sequence[torch.Tensor], max_norm: float,
 def reducer_clip_(params: Sequence[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                   error_if_nonfinite: bool = False) -> torch.Tensor | None:
     """``torch.nn.utils.clip_grad_norm_`` from the reducers' figures, or None (then the
-    caller computes it the usual way: another norm type, or ``params`` not covered, see
-    :func:`reducer_norm_for`). The norm costs no pass over the gradients beyond the
+    caller computes it the usual way: another norm type, expert-parallel parameters, or
+    ``params`` not covered, see :func:`reducer_norm_for`). The norm costs no pass over the gradients beyond the
     epilogue's; the multiply is :func:`reducer_clip_with_norm_`'s.
     """
-    if float(norm_type) != 2.0:
-        return None
     params = list(params)
+    if float(norm_type) != 2.0 or any(map(is_expert_parallel, params)):
+        return None  # expert-parallel: the norm needs a sum over the expert-parallel group
     total = reducer_norm_for(params)
     if total is None:
         return None
