@@ -34,9 +34,12 @@ import torch
 
 from .moe_reference import (
     moe_counts_reference,
+    moe_permute_rows,
     moe_permute_reference,
     moe_unpermute_backward_reference,
+    moe_unpermute_backward_rows,
     moe_unpermute_reference,
+    moe_unpermute_rows,
 )
 
 try:
@@ -375,43 +378,71 @@ def moe_unpermute_backward(grad_y_TD: torch.Tensor, rows_ND: torch.Tensor, dest_
 # ---------------------------------------------------------------------------------------
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, dest_TK, num_rows, backend):
-        ctx.save_for_backward(dest_TK)
-        ctx.backend = backend
+    def forward(ctx, x_TD, dest_TK, num_rows, backend, slot_N):
+        by_rows = slot_N is not None and not _use_triton(backend, x_TD)
+        ctx.save_for_backward(slot_N if by_rows else dest_TK)
+        ctx.backend, ctx.by_rows, ctx.shape_TK = backend, by_rows, tuple(dest_TK.shape)
+        if by_rows:
+            _check_rows("x_TD", x_TD)
+            return moe_permute_rows(x_TD, slot_N, dest_TK.shape[1])
         return moe_permute(x_TD, dest_TK, num_rows, backend=backend)
 
     @staticmethod
     def backward(ctx, grad_out_ND):
-        (dest_TK,) = ctx.saved_tensors
+        (index,) = ctx.saved_tensors
         # every copy of token t sends its gradient back: an unweighted unpermute
-        grad_x_TD = moe_unpermute(grad_out_ND.contiguous(), dest_TK, None, backend=ctx.backend)
-        return grad_x_TD, None, None, None
+        if ctx.by_rows:
+            T, K = ctx.shape_TK
+            grad_x_TD = moe_unpermute_rows(grad_out_ND, index, K, T)
+        else:
+            grad_x_TD = moe_unpermute(grad_out_ND.contiguous(), index, None, backend=ctx.backend)
+        return grad_x_TD, None, None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows_ND, dest_TK, weights_TK, backend):
-        ctx.save_for_backward(rows_ND, dest_TK, weights_TK)
-        ctx.backend = backend
+    def forward(ctx, rows_ND, dest_TK, weights_TK, backend, slot_N):
+        by_rows = slot_N is not None and not _use_triton(backend, rows_ND)
+        ctx.save_for_backward(rows_ND, slot_N if by_rows else dest_TK, weights_TK)
+        ctx.backend, ctx.by_rows, ctx.shape_TK = backend, by_rows, tuple(dest_TK.shape)
+        if by_rows:
+            _check_rows("rows_ND", rows_ND)
+            _check_weights(weights_TK, dest_TK)
+            return moe_unpermute_rows(rows_ND, slot_N, dest_TK.shape[1], dest_TK.shape[0],
+                                      weights_TK)
         return moe_unpermute(rows_ND, dest_TK, weights_TK, backend=backend)
 
     @staticmethod
     def backward(ctx, grad_y_TD):
-        rows_ND, dest_TK, weights_TK = ctx.saved_tensors
-        grad_rows_ND, grad_w_TK = moe_unpermute_backward(
-            grad_y_TD, rows_ND, dest_TK, weights_TK, backend=ctx.backend)
+        rows_ND, index, weights_TK = ctx.saved_tensors
+        if ctx.by_rows:
+            grad_rows_ND, grad_w_TK = moe_unpermute_backward_rows(
+                grad_y_TD, rows_ND, index, ctx.shape_TK[1], weights_TK)
+        else:
+            grad_rows_ND, grad_w_TK = moe_unpermute_backward(
+                grad_y_TD, rows_ND, index, weights_TK, backend=ctx.backend)
         if not ctx.needs_input_grad[2]:
             grad_w_TK = None
-        return grad_rows_ND, None, grad_w_TK, None
+        return grad_rows_ND, None, grad_w_TK, None, None
 
 
 def permute_tokens(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, *,
-                   backend: str = "auto") -> torch.Tensor:
-    """Differentiable :func:`moe_permute`; gradients flow back to ``x_TD``."""
-    return _Permute.apply(x_TD, dest_TK, num_rows, backend)
+                   backend: str = "auto", slot_N: torch.Tensor | None = None) -> torch.Tensor:
+    """Differentiable :func:`moe_permute`; gradients flow back to ``x_TD``.
+
+    ``slot_N`` (optional, int64 ``[num_rows]``): the token-slot ``t * K + k`` that fills each
+    row, i.e. the inverse of ``dest_TK``, when the caller has it (the dispatcher gets it from
+    its sort). The PyTorch path then works by rows (:func:`moe_permute_rows`); the Triton
+    kernels ignore it.
+    """
+    return _Permute.apply(x_TD, dest_TK, num_rows, backend, slot_N)
 
 
 def unpermute_tokens(rows_ND: torch.Tensor, dest_TK: torch.Tensor,
-                     weights_TK: torch.Tensor | None = None, *, backend: str = "auto") -> torch.Tensor:
-    """Differentiable :func:`moe_unpermute`; gradients flow to ``rows_ND`` and ``weights_TK``."""
-    return _Unpermute.apply(rows_ND, dest_TK, weights_TK, backend)
+                     weights_TK: torch.Tensor | None = None, *, backend: str = "auto",
+                     slot_N: torch.Tensor | None = None) -> torch.Tensor:
+    """Differentiable :func:`moe_unpermute`; gradients flow to ``rows_ND`` and ``weights_TK``.
+
+    ``slot_N``: as in :func:`permute_tokens` (``rows_ND.shape[0]`` entries).
+    """
+    return _Unpermute.apply(rows_ND, dest_TK, weights_TK, backend, slot_N)

@@ -633,3 +633,20 @@ def test_docstring_examples():
     for mod in (P, importlib.import_module("tribucket.kernels.reference")):
         result = doctest.testmod(mod, extraglobs={"torch": torch})
         assert result.attempted > 0 and result.failed == 0, mod.__name__
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_torch_pack_copy_with_found_inf_keeps_every_bit(dtype):
+    """A same-dtype, unscaled pack is a copy even when it also looks for non-finite values:
+    NaN payloads pass through unchanged (hypothesis found an fp16 NaN that came out as
+    another NaN when the copy went through the float32 compute path)."""
+    nan_bits = {torch.float16: 0x7E01, torch.bfloat16: 0x7FC1, torch.float32: 0x7FC00001}
+    int_of = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+    src = torch.arange(1, 55, dtype=torch.float32).to(dtype)
+    src.view(int_of[dtype])[52] = nan_bits[dtype]
+    out = sentinel(54, dtype, "cpu")
+    flag = torch.zeros(1)
+    kernels.BucketPlan([0, 0, 54], [0, 0, 0], 54, "cpu", backend="torch").pack(
+        [torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype), src], out, found_inf=flag)
+    assert torch.equal(out.view(int_of[dtype]), src.view(int_of[dtype])), "bits changed"
+    assert flag.item() == 1.0, "the NaN was not flagged"

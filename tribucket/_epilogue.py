@@ -33,11 +33,10 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ._tags import is_expert_parallel
 from .kernels.pack import norms_fp32
 
-__all__ = ["Epilogue", "reducer_clip_", "reducer_clip_with_norm_", "reducer_found_inf_for",
-           "reducer_norm_for", "reducer_scale_"]
+__all__ = ["Epilogue", "reducer_clip_with_norm_", "reducer_found_inf_for", "reducer_norm_for",
+           "reducer_scale_"]
 
 _LIVE: "weakref.WeakSet[Epilogue]" = weakref.WeakSet()  # epilogues of attached reducers
 
@@ -310,25 +309,3 @@ def reducer_clip_with_norm_(params: Sequence[torch.Tensor], max_norm: float,
     if total.device.type != "cpu" or bool(coef < 1.0):
         reducer_scale_(params, coef)
     return True
-
-
-def reducer_clip_(params: Sequence[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-                  error_if_nonfinite: bool = False) -> torch.Tensor | None:
-    """``torch.nn.utils.clip_grad_norm_`` from the reducers' figures, or None (then the
-    caller computes it the usual way: another norm type, expert-parallel parameters, or
-    ``params`` not covered, see :func:`reducer_norm_for`). The norm costs no pass over the gradients beyond the
-    epilogue's; the multiply is :func:`reducer_clip_with_norm_`'s.
-    """
-    params = list(params)
-    if float(norm_type) != 2.0 or any(map(is_expert_parallel, params)):
-        return None  # expert-parallel: the norm needs a sum over the expert-parallel group
-    total = reducer_norm_for(params)
-    if total is None:
-        return None
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(
-            f"the total 2-norm of the gradients is {total.item()}, so it cannot be clipped; "
-            "pass error_if_nonfinite=False to scale the gradients by it anyway (or skip the "
-            "step: reducer.found_inf / tribucket.amp.GradScaler tell when)")
-    reducer_clip_with_norm_(params, max_norm, total)
-    return total

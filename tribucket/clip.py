@@ -1,21 +1,36 @@
-"""``tribucket.clip_grad_norm_``: torch's ``clip_grad_norm_``, fast on the gradients a
-reducer has just averaged.
+"""Gradient clipping by the global norm of a model whose parameters are partly expert-parallel.
 
-When every parameter with a gradient belongs to a live reducer, whole buckets are given and
-their gradients are unchanged since the reducer finished them, the 2-norm comes from the
-reducer's per-bucket figures (no pass over the gradients beyond the reducer's epilogue) and
-the multiply runs on the flat buckets. Otherwise (another ``norm_type``, other parameters,
-gradients modified since) it is ``torch.nn.utils.clip_grad_norm_``.
+``torch.nn.utils.clip_grad_norm_`` on one rank sees only that rank's experts, so ranks clip by
+different factors and their dense replicas drift apart. Here each parameter's ``|g|^p`` is
+counted exactly once across the world:
+
+* a data-parallel (dense) parameter holds the same averaged gradient on every rank: it is
+  counted locally, once;
+* an expert-parallel parameter is one of the experts of its expert-parallel group: the
+  local partial sum is summed over that group (one all-gather of a scalar per group; replica
+  groups hold identical averaged gradients, so every expert-parallel group gives the same
+  sum).
+
+The total is ``(dense + sum over groups) ** (1/p)`` (``max`` for ``p = inf``), bit-identical
+on every rank, and so is the clip factor.
+
+The dense part is free when a reducer has just averaged those gradients: for ``p = 2``, whole
+buckets, unchanged since backward, its epilogue already holds each bucket's norm
+(``tribucket/_epilogue.py``), and the clip multiply runs on the flat buckets (skipped on the
+CPU when the factor is 1). Otherwise the norms are computed here, as torch does.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ._epilogue import reducer_clip_
+from ._epilogue import reducer_clip_with_norm_, reducer_norm_for
+from ._tags import expert_group, is_expert_parallel
 
 __all__ = ["clip_grad_norm_"]
 
@@ -23,27 +38,88 @@ __all__ = ["clip_grad_norm_"]
 def clip_grad_norm_(parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor],
                     max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None) -> torch.Tensor:
-    """Clip the gradients' total norm to ``max_norm`` in place; return the norm before clipping.
+    """Clip the gradients in place by their norm over the whole world; return that norm.
 
-    Same signature, result and return value as ``torch.nn.utils.clip_grad_norm_`` (to float32
-    rounding of the norm); ``parameters`` may also be a module.
+    Same signature and return value as ``torch.nn.utils.clip_grad_norm_`` (``parameters``
+    may also be the model), for any mix of data-parallel and expert-parallel parameters
+    (:class:`tribucket.moe.MoELayer`'s experts, with or without replicas). Call it on every
+    rank, after backward (gradients averaged) and before ``optimizer.step()``: it issues one
+    small collective per expert-parallel group. Without torch.distributed initialised it is
+    torch's function.
 
     Example::
 
-        >>> with tribucket.fused_bucketing(model) as reducer:
-        ...     loss_fn(model(x), y).backward()
-        ...     tribucket.clip_grad_norm_(model, max_norm=1.0)   # norm from the reducer
-        ...     opt.step()
+        loss.backward()
+        tribucket.clip_grad_norm_(model, max_norm=1.0)
+        opt.step()
     """
     if isinstance(parameters, nn.Module):
-        params = list(parameters.parameters())
+        parameters = parameters.parameters()
     elif isinstance(parameters, torch.Tensor):
-        params = [parameters]
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    p_norm = float(norm_type)
+    if math.isnan(p_norm) or p_norm <= 0:
+        raise ValueError(f"norm_type={norm_type!r} must be a positive number or inf (2.0: the "
+                         "Euclidean norm)")
+    if not params:
+        return torch.tensor(0.0)
+    dense = [q for q in params if not is_expert_parallel(q)]
+    groups: dict[int, tuple] = {}  # id(EP group) -> (group, its parameters), in model order
+    for q in params:
+        if is_expert_parallel(q):
+            g = expert_group(q)
+            groups.setdefault(id(g), (g, []))[1].append(q)
+    device = params[0].grad.device
+    # the dense gradients' norm from the reducers' epilogue when it describes them exactly
+    # (norm 2, whole buckets, unchanged since backward): no pass over them
+    fast = reducer_norm_for(dense) if p_norm == 2.0 and dense else None
+    partials = [fast.square() if fast is not None
+                else _partial(dense, p_norm, foreach, device)]
+    partials += [_group_partial(_partial(qs, p_norm, foreach, device), g)
+                 for g, qs in groups.values()]
+    total = _combine(partials, p_norm)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}) "
+            "on every rank, so they cannot be clipped; pass error_if_nonfinite=False to skip "
+            "this check")
+    if fast is not None and reducer_clip_with_norm_(dense, max_norm, total):
+        experts = [q for q in params if is_expert_parallel(q)]  # dense: one op per bucket
+        if experts:
+            torch.nn.utils.clip_grads_with_norm_(experts, max_norm, total, foreach=foreach)
     else:
-        params = list(parameters)
-    with torch.no_grad():
-        total = reducer_clip_(params, max_norm, norm_type, error_if_nonfinite)
-    if total is not None:
-        return total
-    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
-                                          foreach)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    return total
+
+
+def _partial(params: list[torch.Tensor], p_norm: float, foreach, device) -> torch.Tensor:
+    """``sum |g|^p`` over ``params`` (``max |g|`` for inf), an fp32 scalar."""
+    if not params:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    grads = [q.grad for q in params]
+    if foreach is not False and not any(g.is_sparse for g in grads):
+        norms = torch._foreach_norm(grads, p_norm)
+    else:
+        norms = [torch.linalg.vector_norm(g.coalesce().values() if g.is_sparse else g, p_norm)
+                 for g in grads]
+    norms_N = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+    return norms_N.max() if math.isinf(p_norm) else norms_N.pow(p_norm).sum()
+
+
+def _group_partial(local: torch.Tensor, group) -> torch.Tensor:
+    """Combine ``local`` over the expert-parallel ``group`` in group-rank order (so every
+    rank, in every group whose members hold the same values, gets the same bits)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return local
+    world = dist.get_world_size(group)
+    if world == 1:
+        return local
+    every = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(every, local, group=group)
+    return torch.stack(every)
+
+
+def _combine(partials: list[torch.Tensor], p_norm: float) -> torch.Tensor:
+    flat = torch.cat([t.reshape(-1) for t in partials])
+    return flat.max() if math.isinf(p_norm) else flat.sum().pow(1.0 / p_norm)

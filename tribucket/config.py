@@ -51,7 +51,10 @@ class ReducerConfig:
     #: is recorded once and the buckets are rebuilt even with unused parameters
     static_graph: bool = False
     #: broadcast rank 0's buffers (BatchNorm statistics...) before each forward with grad
-    broadcast_buffers: bool = True
+    #: enabled (``True``); ``"ddp"``: also before a forward without grad that follows a
+    #: training forward, as DDP decides (a collective under ``no_grad``: every rank must run
+    #: evaluation forwards then); ``False``: never
+    broadcast_buffers: bool | str = True
     #: parameters (or their qualified names) this reducer leaves alone
     ignore_parameters: tuple = ()
     #: split the averaging allreduce of each bucket into chunks of about this many MiB,
@@ -83,9 +86,12 @@ class ReducerConfig:
         if self.comm_chunk_mb is not None and self.comm_chunk_mb != 0:
             _positive_mb("comm_chunk_mb", self.comm_chunk_mb)
         for name in ("gradient_as_bucket_view", "find_unused_parameters", "static_graph",
-                     "broadcast_buffers", "debug"):
+                     "debug"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not (isinstance(self.broadcast_buffers, bool) or self.broadcast_buffers == "ddp"):
+            raise ValueError(f"broadcast_buffers must be True, False or 'ddp' (also before "
+                             f"evaluation forwards, as DDP), got {self.broadcast_buffers!r}")
         if self.pack_on_ready is not None and not isinstance(self.pack_on_ready, bool):
             raise TypeError(f"pack_on_ready must be True, False or None, got "
                             f"{self.pack_on_ready!r}")

@@ -7,12 +7,25 @@ initialised) they are local no-ops, so single-process code runs unchanged.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all", "exchange_counts", "ranks_reporting", "group_rank_and_size"]
+__all__ = ["all_to_all", "exchange_counts", "ranks_reporting", "group_rank_and_size",
+           "set_failure_handler"]
+
+# id(group) -> (group, handler(group, error) -> the exception to raise instead, or None);
+# the group is kept so that its id stays its own
+_FAILURE_HANDLERS: dict[int, tuple] = {}
+
+
+def set_failure_handler(group: dist.ProcessGroup | None,
+                        handler: Callable[[object, BaseException], BaseException | None]) -> None:
+    """Let ``handler`` explain a failed exchange on ``group`` (it returns the exception to
+    raise instead, or None to keep the original): how an MoE layer names itself and its
+    phase when an all-to-all of its backward fails, where no code of the layer runs."""
+    _FAILURE_HANDLERS[id(group)] = (group, handler)
 
 
 def group_rank_and_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
@@ -27,8 +40,15 @@ def group_rank_and_size(group: dist.ProcessGroup | None = None) -> tuple[int, in
 def _exchange(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
               group: dist.ProcessGroup | None) -> torch.Tensor:
     out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv_splits),
-                           input_split_sizes=list(send_splits), group=group)
+    try:
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv_splits),
+                               input_split_sizes=list(send_splits), group=group)
+    except Exception as error:
+        entry = _FAILURE_HANDLERS.get(id(group))
+        better = entry[1](group, error) if entry is not None else None
+        if better is None:
+            raise
+        raise better from error
     return out
 
 

@@ -14,7 +14,8 @@ Around them: ``reducer.py`` (the public ``Reducer``: attaching, ``no_sync``, com
 end-of-backward agreement), ``rebuild.py`` (which layout), ``join.py`` (uneven inputs),
 ``resume.py`` (checkpoints), ``model.py`` (which parameters, the same on every rank),
 ``watchdog.py`` (timeouts, debug fingerprints), ``hookcall.py`` (calling comm hooks),
-``graph.py`` (which parameters a forward reached).
+``graph.py`` (which parameters a forward reached), ``compat.py`` (DDP's spellings:
+``join()``, the options as attributes, ``logging_data()``).
 """
 
 from .reducer import Reducer, fused_bucketing

@@ -29,6 +29,7 @@ from .._epilogue import Epilogue
 from ..config import ReducerConfig
 from ..layout import BucketLayout
 from .bucket import BucketState, Comm, DenseBucket, GradHook, SparseBucket
+from .compat import CommTimings
 from .join import JoinFlags
 from .memory import BucketMemory
 from .rebuild import DDP_ALIGN_BYTES, LayoutPolicy
@@ -76,6 +77,7 @@ class Backward:
         self.piggyback = False                 # the status rides on the last bucket
         self.epilogue: Epilogue | None = None  # per-bucket norm and inf/NaN flag (allocate)
         self.stats = ReducerStats(buckets=len(self.layout.buckets))
+        self.timings = CommTimings()           # every averaged backward (logging_data)
         self.pass_: Pass | None = None         # the backward pass in progress
         self.sync_enabled = True               # False inside no_sync()
         self.fwd_sync: bool | None = None      # decision of the last grad-enabled forward
@@ -318,6 +320,8 @@ class Backward:
         st.backward_compute_s = t_end - p.t_start
         st.comm_exposed_s = done - t_end
         st.bytes_communicated = p.bytes
+        self.timings.record(p.t_start, min((b.t_launch for b in self.buckets), default=t_end),
+                            t_end, done)
         if cfg.debug:
             st.bucket_comm_s = [done - b.t_launch for b in self.buckets]
             self._log_buckets(st.bucket_comm_s)

@@ -169,7 +169,7 @@ class _BucketBase:
         self.state = BucketState.PENDING     # see the module docstring
         self.pending = len(params)           # parameters whose gradient is not yet counted
         self.handle = None                   # the in-flight handle, wait() -> Tensor
-        self.t_launch = 0.0                  # launch time (debug per-bucket timings)
+        self.t_launch = 0.0                  # launch time (debug timings, logging_data)
 
     def describe(self) -> str:
         return f"bucket {self.index} ({len(self.indices)} tensors, {self.spec.numel} elements)"

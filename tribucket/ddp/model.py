@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._tags import is_expert_parallel
+from .._tags import expert_replica_group, is_expert_parallel
 
-__all__ = ["ModelView", "inspect_model", "verify_across_ranks"]
+__all__ = ["ModelView", "expert_replica_sets", "inspect_model", "verify_across_ranks"]
 
 
 @dataclass
@@ -31,8 +31,12 @@ class ModelView:
     expect_sparse: list[bool]
 
 
-def inspect_model(module: nn.Module, ignore_parameters: tuple) -> ModelView:
-    """Collect the parameters and buffers the reducer manages, validating ``ignore_parameters``."""
+def inspect_model(module: nn.Module, ignore_parameters: tuple, only=None) -> ModelView:
+    """Collect the parameters and buffers the reducer manages, validating ``ignore_parameters``.
+
+    ``only`` (a collection of the model's parameters): manage just those, expert-parallel
+    ones included, and no buffers (the expert replicas' reducer, on their replica group).
+    """
     ignore_ids, ignore_names = set(), set()
     for k, item in enumerate(ignore_parameters):
         if isinstance(item, str):
@@ -53,11 +57,16 @@ def inspect_model(module: nn.Module, ignore_parameters: tuple) -> ModelView:
         raise ValueError(f"{len(strangers)} tensor(s) in ignore_parameters are not parameters "
                          "of the model (pass the model's own parameter objects or names)")
 
+    only_ids = None if only is None else {id(p) for p in only}
+
     def ignored(name: str, p: torch.Tensor) -> bool:
-        return id(p) in ignore_ids or name in ignore_names or is_expert_parallel(p)
+        if id(p) in ignore_ids or name in ignore_names:
+            return True
+        return is_expert_parallel(p) if only_ids is None else id(p) not in only_ids
 
     state_params = [(n, p) for n, p in named if not ignored(n, p)]
-    buffers = [(n, b) for n, b in module.named_buffers() if n not in ignore_names]
+    buffers = [] if only is not None else [(n, b) for n, b in module.named_buffers()
+                                           if n not in ignore_names]
     grad_params = [(n, p) for n, p in state_params if p.requires_grad]
     names = [n for n, _ in grad_params]
     params = [p for _, p in grad_params]
@@ -74,6 +83,20 @@ def inspect_model(module: nn.Module, ignore_parameters: tuple) -> ModelView:
                      {id(p): i for i, p in enumerate(params)},
                      params[0].device if params else torch.device("cpu"),
                      [id(p) in sparse_ids for p in params])
+
+
+def expert_replica_sets(module: nn.Module, ignore_parameters: tuple) -> list[tuple]:
+    """``[(replica_group, parameters)]``: the expert-parallel parameters that have replicas,
+    grouped by replica group in model order (the same order on every rank)."""
+    names = {n for n in ignore_parameters if isinstance(n, str)}
+    ids = {id(t) for t in ignore_parameters if isinstance(t, torch.Tensor)}
+    sets: dict[int, tuple] = {}
+    for n, p in module.named_parameters():
+        group = expert_replica_group(p) if is_expert_parallel(p) else None
+        if group is None or not p.requires_grad or n in names or id(p) in ids:
+            continue
+        sets.setdefault(id(group), (group, []))[1].append(p)
+    return list(sets.values())
 
 
 def verify_across_ranks(view: ModelView, group, world_size: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -26,10 +27,11 @@ from ..layout import BucketLayout
 from . import resume
 from .backward import Backward
 from .bucket import Comm
+from .compat import DDPCompat, bucket_sizes, logging_data
 from .graph import output_tensors, reachable_parameters
 from .hookcall import HookRef, hook_name
 from .join import JoinFlags, ReducerJoinHook
-from .model import inspect_model, verify_across_ranks
+from .model import expert_replica_sets, inspect_model, verify_across_ranks
 from .state import ReducerStats
 from .watchdog import CommGuard
 
@@ -38,16 +40,18 @@ __all__ = ["Reducer", "ReducerStats", "fused_bucketing"]
 logger = logging.getLogger("tribucket")
 
 
-class Reducer(Joinable):
+class Reducer(DDPCompat, Joinable):
     """Average gradients across ranks with DDP's semantics; see :func:`fused_bucketing`.
 
     Usable directly: ``reducer = Reducer(model)`` attaches, ``reducer.close()`` detaches
-    (or use it as a context manager). It is a ``torch.distributed.algorithms.Joinable``:
-    ``with Join([reducer]): ...`` trains on uneven inputs as ``DDP.join()`` does.
+    (or use it as a context manager). ``with reducer.join(): ...`` trains on uneven inputs
+    as ``DDP.join()`` does (it is a ``torch.distributed.algorithms.Joinable``); DDP's other
+    spellings (the options as attributes, ``logging_data()``) are in ``compat.py``.
     """
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
-                 config: ReducerConfig | None = None, **options: Any):
+                 config: ReducerConfig | None = None, _only: list | None = None, **options: Any):
+        # _only: manage just these parameters, no buffers (an expert replicas' reducer)
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
@@ -66,7 +70,7 @@ class Reducer(Joinable):
         logger.info("tribucket reducer on rank %d/%d: %s", self.rank, self.world_size,
                     describe_backend())
 
-        view = inspect_model(module, config.ignore_parameters)
+        view = inspect_model(module, config.ignore_parameters, only=_only)
         self._state_params, self._buffers = view.state_params, view.buffers
         self._names, self._params = view.names, view.params
         self._device = view.device
@@ -85,15 +89,21 @@ class Reducer(Joinable):
                             self._guard, self._comm, self._join_flags, self._device)
         self._require_forward_param_sync = True  # broadcast buffers before the next forward
         self._found_inf = torch.zeros(1, dtype=torch.float32, device=self._device)
+        self._initial_sizes = bucket_sizes(self._bw.layout)  # logging_data()'s bucket_sizes
         #: figures of the last backward (:class:`ReducerStats`)
         self.stats = self._bw.stats
         self._handles: list = []
         self._hook_refs: list[HookRef] = []
         self._backward_start_ref = self._hook_ref(self._bw, "on_backward_start")
         self._attach()
+        #: reducers averaging expert replicas over their replica groups (expert x data
+        #: parallelism), one per replica group, built with this reducer's options
+        self.expert_reducers: list[Reducer] = [] if _only is not None else [
+            Reducer(module, group, config=replace(config, broadcast_buffers=False), _only=params)
+            for group, params in expert_replica_sets(module, config.ignore_parameters)]
 
     # ------------------------------------------------------------------ set-up
-    def _broadcast_states(self, src_rank: int, buffers: bool) -> None:
+    def _broadcast_states(self, src_rank: int, buffers: bool | str) -> None:
         tensors = [p.detach() for _, p in self._state_params]
         if buffers:
             tensors += [b.detach() for _, b in self._buffers]
@@ -151,11 +161,16 @@ class Reducer(Joinable):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the next backward outside reduces their sum."""
+        """Accumulate gradients locally; the next backward outside reduces their sum.
+
+        It holds back the expert reducers too (their replicas sync with the rest)."""
         bw = self._bw
         old, bw.sync_enabled = bw.sync_enabled, False
         try:
-            yield
+            with contextlib.ExitStack() as experts:
+                for r in self.expert_reducers:
+                    experts.enter_context(r.no_sync())
+                yield
         finally:
             bw.sync_enabled = old
 
@@ -188,6 +203,19 @@ class Reducer(Joinable):
             named = getattr(state, "process_group", None) if not isinstance(
                 state, dist.ProcessGroup) else state
             comm.chunk_group = named if named is not None else self._guard.group
+
+    def logging_data(self) -> dict[str, Any]:
+        """The fields of DDP's ``_get_ddp_logging_data()`` that apply here, under DDP's names.
+
+        Sizes in bytes, times in integer nanoseconds as DDP's; flags as 0/1. Unlike DDP's,
+        every value is current (DDP logs at the next forward, and samples iterations): times
+        are of the last averaged backward and ``avg_*`` their mean over every averaged
+        backward. ``backward_comm_exposed_time`` (tribucket's) is the communication that did
+        not overlap computation (``reducer.stats.comm_exposed_s``).
+        """
+        bw = self._bw
+        return logging_data(self, self._params, self._comm.hook, self._initial_sizes,
+                            bw.unused, bw.rebuilt, bw.timings)
 
     def state_dict(self) -> dict:
         """What a resumed run needs: the (rebuilt) layout, the iteration count, hook state."""
@@ -243,6 +271,8 @@ class Reducer(Joinable):
             ref.detach()  # graphs still holding a hook no longer reach the reducer
         self._hook_refs.clear()
         failed = self._bw.finish_in_flight()  # so no peer is left waiting
+        for r in self.expert_reducers:
+            r._close(raise_errors)
         if failed is None:
             return
         b, e = failed
@@ -271,9 +301,16 @@ class Reducer(Joinable):
 
     # ------------------------------------------------------------------ forward hooks
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled():
-            return  # evaluation: no collective, so `if rank == 0: evaluate(model)` works
         joining = self._join_config.enable
+        if not torch.is_grad_enabled():
+            # evaluation: by default no collective, so `if rank == 0: evaluate(model)` works;
+            # broadcast_buffers="ddp" decides as DDP (the previous forward was a training
+            # one: broadcast), so every rank must then run it
+            if self.config.broadcast_buffers == "ddp" and not joining:
+                if self._require_forward_param_sync:
+                    self._broadcast_buffers(lambda: 0)
+                self._require_forward_param_sync = False
+            return
         if joining:
             self._bw.join_work = Join.notify_join_context(self)
         if self._require_forward_param_sync:
@@ -327,7 +364,7 @@ def fused_bucketing(model: nn.Module, process_group: dist.ProcessGroup | None = 
                     gradient_as_bucket_view: bool = False,
                     find_unused_parameters: bool = False,
                     static_graph: bool = False,
-                    broadcast_buffers: bool = True,
+                    broadcast_buffers: bool | str = True,
                     ignore_parameters=(),
                     **options: Any) -> Reducer:
     """Average ``model``'s gradients across ranks, as DDP does, while the context is open.

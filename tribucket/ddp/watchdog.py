@@ -61,6 +61,10 @@ class CommGuard:
                                         backend=dist.get_backend(process_group),
                                         use_local_synchronization=True, **kwargs)
         self.dedicated = self.group is not process_group
+        # global rank of each group rank: progress keys and reports use it, so that reducers
+        # on different groups (expert replica groups) never share a key
+        self._global = (dist.get_process_group_ranks(process_group) if world_size > 1
+                        else [rank])
         self._store = None
         if timeout is not None and world_size > 1:
             try:
@@ -73,7 +77,7 @@ class CommGuard:
 
     # ----------------------------------------------------------------- progress and failure
     def _key(self, rank: int) -> str:
-        return f"tribucket/{self.seq}/progress/{rank}"
+        return f"tribucket/{self.seq}/progress/{self._global[rank]}"
 
     def mark_progress(self, iteration: int) -> None:
         """Record in the rendezvous store that this rank started backward ``iteration``."""
@@ -96,7 +100,7 @@ class CommGuard:
                 key = self._key(r)
                 seen = int(self._store.get(key)) if self._store.check([key]) else None
                 if seen is None or seen < iteration:
-                    behind.append(f"rank {r} (last started backward "
+                    behind.append(f"rank {self._global[r]} (last started backward "
                                   f"{'never' if seen is None else f'iteration {seen}'})")
             if behind:
                 return (f" This rank is in iteration {iteration}; behind it: "

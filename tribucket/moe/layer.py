@@ -9,6 +9,8 @@ Shape legend (suffixes on tensor names):
 
 from __future__ import annotations
 
+import copy
+import datetime
 import itertools
 import math
 import zlib
@@ -21,7 +23,9 @@ from torch import nn
 
 from .._tags import mark_expert_parallel
 from ..comm import group_rank_and_size
-from .dispatcher import DispatchMeta, MoEDispatcher
+from ..kernels.moe import moe_counts, permute_tokens, unpermute_tokens
+from ._guard import MoEGuard
+from .dispatcher import DispatchMeta, MoEDispatcher, _route, expert_capacity
 from .schedule import pipelined_experts
 from .shadow import ShadowCosts, resolve_shadow_policy
 
@@ -79,20 +83,30 @@ class MoELayer(nn.Module):
       no gradient) and ``P_e`` = mean over tokens of ``probs[:, e]``; 1.0 when balanced;
     * ``z = mean_t(logsumexp(logits[t])²)`` — the ST-MoE router z-loss.
 
-    Add it to your loss yourself (``loss = task_loss + layer.aux_loss``).
+    Add it to your loss yourself: ``loss = task_loss + tribucket.moe.aux_losses(model)``
+    sums every layer's (``layer.aux_loss`` is this layer's).
 
     Parameters and gradients: the router is replicated (broadcast from the group's rank 0
     when the layer is built) and its gradient is left local — the data-parallel reducer
-    averages it. Expert parameters are tagged expert-parallel (``fused_bucketing`` skips
-    them); an expert's gradient is the sum over every rank's tokens routed to it, times
-    ``expert_grad_scale`` (``1 / W`` gives a data-parallel mean). ``state_dict()`` names
+    averages it. Expert parameters are tagged expert-parallel (``fused_bucketing``'s
+    data-parallel buckets skip them); an expert's gradient is the sum over every rank's
+    tokens routed to it, times ``expert_grad_scale``, whose default ``1 / W`` makes it the
+    mean over the group's ranks, as DDP's average of a dense parameter (each rank's loss
+    being a mean over its own tokens). ``state_dict()`` names
     experts by global index (``experts.5.weight`` on the rank owning expert 5), and
     ``load_state_dict`` accepts a file holding other ranks' experts too (it takes its own).
 
     ``stats`` (:class:`MoEStats`) describes the last forward's routing. ``backend`` picks the
     token kernels (``"auto"``: Triton on CUDA, PyTorch on CPU). Every rank of ``group`` must
-    call forward and backward in the same order; an expert that raises or returns a wrong
-    shape makes every rank raise (see :class:`MoEDispatcher`). Experts are called on every
+    call forward and backward in the same order (to evaluate on some ranks only, use
+    :func:`~tribucket.moe.gathered_experts`); bad input on one rank (``x``'s last dimension,
+    the router's output, expert ids) or an expert that raises or returns a wrong shape
+    makes every rank raise (the flag rides on the first collective; see
+    :class:`MoEDispatcher`). ``timeout`` (a ``datetime.timedelta``) runs the layer's
+    collectives on a group with that timeout, and a stalled or dead peer then raises a
+    ``RuntimeError`` naming the layer (``name``, default ``#k`` for the k-th layer built),
+    the phase (counts, dispatch, combine, backward) and the ranks behind, instead of
+    blocking for the process group's timeout. Experts are called on every
     forward, with zero rows when no token reached them (``schedule="alltoall"``; the pairwise
     schedule skips empty calls).
 
@@ -120,6 +134,14 @@ class MoELayer(nn.Module):
     shadows runs the pipeline engine as one step (every peer at once) instead of the
     all-to-alls. ``stats.shadowed`` names the experts shadowed last.
 
+    **Expert x data parallelism.** With ``group`` smaller than the world (``W`` ranks out of
+    ``W * R``), each expert lives on one rank of each of ``R`` groups; ``replica_group`` (this
+    rank's ranks that hold the same experts; both groups come from
+    :func:`~tribucket.moe.expert_data_parallel_groups`) is required then, and
+    ``fused_bucketing`` averages the experts' gradients over it (a second set of buckets, with
+    the reducer's overlap and options), so the default ``1 / W`` times that average is again
+    the mean over all ``W * R`` ranks.
+
     Every rank must build the layer with the same arguments (checked: one small all-gather
     when the layer is built) and agree on ``x.requires_grad`` and on which expert parameters
     require grad.
@@ -143,13 +165,16 @@ class MoELayer(nn.Module):
         capacity_factor: float | None = None,
         normalize_weights: bool | None = None,
         group: dist.ProcessGroup | None = None,
+        replica_group: dist.ProcessGroup | None = None,
         schedule: str = "alltoall",
         group_size: int = 4,
         shadow_policy=None,
-        expert_grad_scale: float = 1.0,
+        expert_grad_scale: float | None = None,
         aux_loss_coef: float = 0.01,
         z_loss_coef: float = 0.0,
         backend: str = "auto",
+        timeout: datetime.timedelta | None = None,
+        name: str | None = None,
     ):
         super().__init__()
         # every check comes before the router broadcast, the first collective
@@ -158,6 +183,9 @@ class MoELayer(nn.Module):
             raise TypeError("experts must be a non-empty nn.ModuleList (or sequence) of this "
                             f"rank's expert modules, got {experts!r}")
         rank, world = group_rank_and_size(group)
+        _check_replica_group(group, replica_group, world)
+        if expert_grad_scale is None:  # the mean over the group's ranks (see the docstring)
+            expert_grad_scale = 1.0 / world
         self.dispatcher = MoEDispatcher(num_experts, group=group, capacity_factor=capacity_factor,
                                         backend=backend)
         if num_experts != world * len(experts):
@@ -187,10 +215,16 @@ class MoELayer(nn.Module):
             if not signature:
                 raise ValueError("shadow_policy needs experts with parameters (there is nothing to "
                                  "broadcast); pass shadow_policy=None")
-        for name, v in (("expert_grad_scale", expert_grad_scale), ("aux_loss_coef", aux_loss_coef),
+        for arg, v in (("expert_grad_scale", expert_grad_scale), ("aux_loss_coef", aux_loss_coef),
                         ("z_loss_coef", z_loss_coef)):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                raise ValueError(f"{name} must be a finite number, got {v!r}")
+                raise ValueError(f"{arg} must be a finite number, got {v!r}")
+        if timeout is not None and (not isinstance(timeout, datetime.timedelta)
+                                    or timeout.total_seconds() <= 0):
+            raise ValueError(f"timeout must be a positive datetime.timedelta (or None: the "
+                             f"process group's own), got {timeout!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str (how errors call the layer), got {name!r}")
         if aux_loss_coef < 0 or z_loss_coef < 0:
             raise ValueError(f"aux_loss_coef and z_loss_coef must be >= 0, got "
                              f"{aux_loss_coef!r} and {z_loss_coef!r}")
@@ -211,6 +245,8 @@ class MoELayer(nn.Module):
         self.expert_grad_scale = float(expert_grad_scale)
         self.aux_loss_coef = float(aux_loss_coef)
         self.z_loss_coef = float(z_loss_coef)
+        #: collectives that take longer fail with a diagnosis (None: the group's timeout)
+        self.timeout = timeout
         #: global index of this rank's first expert
         self.expert_offset = rank * len(experts)
 
@@ -222,17 +258,26 @@ class MoELayer(nn.Module):
         # keyed by global index, so state_dict() says experts.5.… on the owner of expert 5
         self.experts = nn.ModuleDict({str(self.expert_offset + l): e for l, e in enumerate(experts)})
         for p in self.experts.parameters():
-            mark_expert_parallel(p)
+            mark_expert_parallel(p, group=group, replica_group=replica_group)
             if self.expert_grad_scale != 1.0:
                 p.register_hook(lambda g, s=self.expert_grad_scale: g * s)
         self.register_load_state_dict_pre_hook(_drop_other_ranks_experts)
+        _check_ranks_agree(self, signature, group)  # first: the broadcast needs equal shapes
+        # the group the layer's collectives run on (timed when timeout is given), its
+        # progress marks and failure reports
+        self._guard = MoEGuard(group, rank, world, timeout, name)
+        self.dispatcher.group = group = self._guard.group
         _broadcast_from_first_rank(self.router, group)
-        _check_ranks_agree(self, signature, group)
+        _check_replicas_agree(self, replica_group)
+        #: the group across which this rank's experts are replicated (None: no replicas)
+        self.replica_group = replica_group
 
         #: load-balancing (+ z) loss of the last forward (None before the first)
         self.aux_loss: torch.Tensor | None = None
         #: routing figures of the last forward (None before the first)
         self.stats: MoEStats | None = None
+        #: every expert of the group, inside ``gathered_experts`` (None: expert-parallel)
+        self._gathered: list[nn.Module] | None = None
 
     @property
     def local_experts(self) -> list[nn.Module]:
@@ -248,11 +293,34 @@ class MoELayer(nn.Module):
                 + (f", shadow_policy={self.shadow_policy!r}" if self.shadow_policy is not None else ""))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 1 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x has shape {tuple(x.shape)}: its last dimension must be "
-                             f"d_model={self.d_model} (pass [..., {self.d_model}] inputs)")
-        x_TD = x.reshape(-1, self.d_model)
-        logits_TE = self._router_logits(x_TD)
+        guard = self._guard
+        guard.forwards += 1
+        try:
+            y = self._forward(x)
+        except Exception as e:  # a failed collective: name the layer, phase and missing rank
+            failure = guard.failure_of(e)
+            if failure is None:
+                raise
+            raise failure from e
+        if y.requires_grad and self.dispatcher.world_size > 1 and self._gathered is None:
+            y.register_hook(guard.backward_mark)
+        return y
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        disp = self.dispatcher
+        policy = self.shadow_policy
+        gather = policy is not None and policy.needs_counts and disp.world_size > 1
+        try:  # a rank whose input is bad still joins the first collective, so all raise
+            if x.dim() < 1 or x.shape[-1] != self.d_model:
+                raise ValueError(f"x has shape {tuple(x.shape)}: its last dimension must be "
+                                 f"d_model={self.d_model} (pass [..., {self.d_model}] inputs)")
+            x_TD = x.reshape(-1, self.d_model)
+            logits_TE = self._router_logits(x_TD)
+        except Exception as error:  # (no collective ran yet: nothing here is a comm failure)
+            if self._gathered is not None:
+                raise
+            self._guard.mark("counts")
+            disp.fail_plan(error, x.device, gather_counts=gather)
         probs_TE = torch.softmax(logits_TE, dim=-1)
         weights_TK, expert_ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
         if self.normalize_weights and self.top_k == 1:
@@ -260,19 +328,21 @@ class MoELayer(nn.Module):
             weights_TK = torch.ones_like(weights_TK)
         elif self.normalize_weights:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        if self._gathered is not None:  # every expert here: no collective
+            return self._forward_gathered(x, x_TD, logits_TE, probs_TE, weights_TK, expert_ids_TK)
 
-        disp = self.dispatcher
-        policy = self.shadow_policy
-        meta = disp.plan(x_TD, expert_ids_TK, weights_TK,
-                         gather_counts=policy is not None and policy.needs_counts
-                         and disp.world_size > 1)
+        self._guard.mark("counts")
+        meta = disp.plan(x_TD, expert_ids_TK, weights_TK, gather_counts=gather)
         shadowed = self._decide_shadows(meta, x_TD.dtype)
+        self._guard.mark("dispatch")
         if self.schedule == "alltoall" and not shadowed:
             expert_input_RD = disp.exchange(disp.permute(x_TD, meta), meta)
             try:
                 outputs = self._run_experts(expert_input_RD, meta)
             except Exception as error:  # every rank must hear of it before the return exchange
+                self._guard.mark("combine")
                 disp.fail_combine(error, meta)
+            self._guard.mark("combine")
             y_TD = disp.combine(outputs, meta)
         else:  # the pipeline (a single step, every peer at once, for "alltoall" + shadows)
             group_size = self.group_size if self.schedule == "pairwise" else disp.world_size
@@ -284,13 +354,69 @@ class MoELayer(nn.Module):
             y_TD = disp.unpermute(back_ND, meta)
 
         self.aux_loss = self._aux_loss(logits_TE, probs_TE, meta.counts_E)
-        self.stats = MoEStats(tokens_per_expert=tuple(meta.counts_E.tolist()),
+        self.stats = MoEStats(tokens_per_expert=meta.counts_host,
                               tokens_received=meta.tokens_per_expert,
                               dropped=meta.num_dropped, capacity=meta.capacity,
                               shadowed=tuple(sorted(shadowed)))
         return y_TD.view(*x.shape[:-1], self.d_model)
 
     # -------------------------------------------------------------------------------------
+    def _forward_gathered(self, x, x_TD, logits_TE, probs_TE, weights_TK, expert_ids_TK):
+        """The layer with every expert on this rank (inside ``gathered_experts``): the same
+        routing, capacity and combine as the expert-parallel path, no collective."""
+        E, backend = self.num_experts, self.dispatcher.backend
+        T, K = expert_ids_TK.shape
+        capacity = expert_capacity(self.dispatcher.capacity_factor, T, K, E)
+        counts_E = moe_counts(expert_ids_TK, E, backend=backend)
+        dest_TK, sent_E, _ = _route(expert_ids_TK, counts_E, capacity)
+        sent = sent_E.tolist()
+        rows_ND = permute_tokens(x_TD, dest_TK, sum(sent), backend=backend)
+        outs = [expert(chunk) for expert, chunk in zip(self._gathered, rows_ND.split(sent))]
+        y_TD = unpermute_tokens(torch.cat(outs) if outs else rows_ND, dest_TK, weights_TK,
+                                backend=backend)
+        self.aux_loss = self._aux_loss(logits_TE, probs_TE, counts_E)
+        first = self.expert_offset
+        self.stats = MoEStats(tokens_per_expert=tuple(counts_E.tolist()),
+                              tokens_received=tuple(sent[first:first + self.num_local_experts]),
+                              dropped=T * K - sum(sent), capacity=capacity)
+        return y_TD.view(*x.shape[:-1], self.d_model)
+
+    def gather_experts(self) -> list[nn.Module]:
+        """Every expert of the group, in global order: this rank's own modules and copies of
+        the others' (a collective: every rank of the group calls it; no gradient flows to
+        the copies). Experts at the same local index must be alike on every rank."""
+        W, L = self.dispatcher.world_size, self.num_local_experts
+        local = self.local_experts
+        if W == 1:
+            return local
+        group = self._guard.group
+        device = next(itertools.chain(self.router.parameters(), self.experts.parameters())).device
+        states = [e.state_dict() for e in local]
+        sig = [_crc([(k, tuple(t.shape), str(t.dtype)) for k, t in st.items()]) for st in states]
+        mine = torch.tensor(sig, dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(W)]
+        dist.all_gather(every, mine, group=group)
+        bad = [w for w in range(W) if not torch.equal(every[w], every[0])]
+        if bad:
+            raise ValueError(f"gathered_experts needs the experts at each local index alike on "
+                             f"every rank (names, shapes, dtypes): rank(s) {bad} differ from rank 0")
+        full: list[dict] = [{} for _ in range(W * L)]
+        for l, st in enumerate(states):
+            for k, t in st.items():
+                parts = [torch.empty_like(t) for _ in range(W)]
+                dist.all_gather(parts, t.contiguous(), group=group)
+                for w in range(W):
+                    full[w * L + l][k] = parts[w]
+        experts = []
+        for e in range(W * L):
+            if self.expert_offset <= e < self.expert_offset + L:
+                experts.append(local[e - self.expert_offset])
+                continue
+            copy_ = copy.deepcopy(local[e % L]).requires_grad_(False)
+            copy_.load_state_dict(full[e])
+            experts.append(copy_)
+        return experts
+
     def _router_logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         """fp32 ``[T, E]`` logits; the router runs in its own parameter dtype (fp32 by default)."""
         p = next(self.router.parameters(), None)
@@ -358,33 +484,88 @@ def _crc(obj) -> int:
 def _check_ranks_agree(layer: MoELayer, signature, group: dist.ProcessGroup | None) -> None:
     """One all-gather: every rank built the layer alike (and, to shadow, with alike experts).
 
-    A rank with another schedule, group size, shadow policy, top_k or capacity would issue
-    different collectives in forward and hang the group; this catches it when the layer is
-    built, naming the ranks.
+    A rank with another schedule, group size, shadow policy, top_k, capacity or d_model would
+    issue different collectives in forward (or abort the router broadcast, which comes after
+    this check) and hang the group; this catches it when the layer is built, naming the
+    field and the ranks. Integer fields travel as themselves, the others as CRCs.
     """
     _, world = group_rank_and_size(group)
     if world == 1:
         return
     policy = layer.shadow_policy
     policy_key = repr(policy) if policy is None or is_dataclass(policy) else type(policy).__qualname__
-    config = (layer.schedule, layer.group_size, policy_key, layer.num_experts, layer.top_k,
-              layer.d_model, layer.dispatcher.capacity_factor, layer.normalize_weights)
+    fields = [("d_model", layer.d_model), ("num_experts", layer.num_experts),
+              ("top_k", layer.top_k), ("group_size", layer.group_size),
+              ("normalize_weights", int(layer.normalize_weights)),
+              ("schedule", _crc(layer.schedule)), ("shadow_policy", _crc(policy_key)),
+              ("capacity_factor", _crc(layer.dispatcher.capacity_factor)),
+              ("timeout", _crc(layer.timeout)),
+              ("router parameters (names, shapes, dtypes)", _crc(_expert_signature(layer.router))),
+              ("expert parameters (names, shapes, dtypes), needed to shadow",
+               _crc(signature) if policy is not None else 0)]
+    numeric = 5  # the first five fields are integers worth printing
     device = next(itertools.chain(layer.router.parameters(), layer.experts.parameters())).device
-    mine = torch.tensor([_crc(config), _crc(signature) if policy is not None else 0],
-                        dtype=torch.int64, device=device)
+    mine = torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
-    rows = [tuple(t.tolist()) for t in every]
-    for column, what in ((0, "schedule, group_size, shadow_policy, num_experts, top_k, d_model, "
-                             "capacity_factor or normalize_weights"),
-                         (1, "expert parameters (names, shapes, dtypes), needed to shadow")):
+    rows = [t.tolist() for t in every]
+    problems = []
+    for column, (name, _) in enumerate(fields):
         values = [r[column] for r in rows]
-        if len(set(values)) > 1:
-            ref = values[0]
-            bad = [r for r, v in enumerate(values) if v != ref]
-            raise ValueError(f"the ranks of the expert-parallel group built MoELayer with different "
-                             f"{what}: rank(s) {bad} differ from rank 0; pass the same arguments "
-                             f"on every rank")
+        if len(set(values)) == 1:
+            continue
+        if column < numeric:
+            problems.append(f"{name}: " + ", ".join(f"{v} on rank {r}" for r, v in enumerate(values)))
+        else:
+            problems.append(f"{name} on rank(s) {[r for r, v in enumerate(values) if v != values[0]]}"
+                            " differ from rank 0's")
+    if problems:
+        raise ValueError(f"the ranks of the expert-parallel group built MoELayer with different "
+                         f"arguments ({'; '.join(problems)}); pass the same arguments on every "
+                         "rank")
+
+
+def _check_replica_group(group, replica_group, ep_world: int) -> None:
+    """Local checks of ``replica_group`` against the EP group (no communication)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if replica_group is not None:
+            raise RuntimeError("replica_group was given but torch.distributed is not initialised")
+        return
+    world = dist.get_world_size()
+    if replica_group is None:
+        if ep_world < world:
+            raise ValueError(
+                f"group has {ep_world} of the {world} ranks, so every expert has replicas on "
+                f"other ranks that nothing would average: pass replica_group= too (both come "
+                f"from tribucket.moe.expert_data_parallel_groups(ep_size={ep_world}))")
+        return
+    me = dist.get_rank()
+    replicas = dist.get_process_group_ranks(replica_group)
+    ep = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    if me not in replicas or set(replicas) & set(ep) != {me}:
+        raise ValueError(
+            f"replica_group {replicas} must hold this rank ({me}) and no other rank of its "
+            f"expert-parallel group {ep}; build both with "
+            "tribucket.moe.expert_data_parallel_groups(ep_size)")
+
+
+def _check_replicas_agree(layer: MoELayer, replica_group) -> None:
+    """One all-gather over the replica group: its ranks hold the same global experts."""
+    if replica_group is None or dist.get_world_size(replica_group) == 1:
+        return
+    device = next(itertools.chain(layer.router.parameters(), layer.experts.parameters())).device
+    mine = torch.tensor([layer.expert_offset, layer.num_experts], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(replica_group))]
+    dist.all_gather(every, mine, group=replica_group)
+    rows = [tuple(t.tolist()) for t in every]
+    if len(set(rows)) > 1:
+        ranks = dist.get_process_group_ranks(replica_group)
+        raise ValueError(
+            "the ranks of replica_group do not hold the same experts: "
+            + ", ".join(f"rank {g} has experts {o}..{o + layer.num_local_experts - 1} of {n}"
+                        for g, (o, n) in zip(ranks, rows))
+            + "; a rank's replica group must be the ranks at its position in the other "
+            "expert-parallel groups (tribucket.moe.expert_data_parallel_groups)")
 
 
 def _drop_other_ranks_experts(module: MoELayer, state_dict, prefix, *_unused) -> None:

@@ -1,0 +1,306 @@
+"""Training with MoE layers across ranks: expert x data parallelism, the default expert
+gradient scale, aux losses and clipping, against a dense single-process reference.
+
+Shape legend: T tokens, D model dim, E experts (global), K top-k, L experts per rank.
+
+Every rank builds the whole model (every expert) from one seed and can regenerate every
+rank's tokens, so it trains the dense equivalent itself: one process, every rank's loss,
+their mean (what DDP's averaging computes), ``torch.nn.utils.clip_grad_norm_`` and the same
+optimizer; the distributed run must end with the same parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import tribucket
+from tribucket.moe import MoELayer, aux_losses, expert_data_parallel_groups
+from test_moe import D, _dense_moe, _ffn
+
+K = 2  # top-k of the training tests
+AUX, Z = 0.1, 0.01  # aux and z loss coefficients (both reach the router's gradient)
+
+
+class _Net(nn.Module):
+    """in -> ReLU -> MoE -> head; ``moe`` is an MoELayer, or (reference) router + experts."""
+
+    def __init__(self, moe: nn.Module, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp, self.head = nn.Linear(D, D), nn.Linear(D, D)
+        self.moe = moe
+
+    def forward(self, x):
+        return self.head(self.moe(torch.relu(self.inp(x))))
+
+
+class _DenseMoE(nn.Module):
+    """The reference: every expert on this process, the layer written out (test_moe)."""
+
+    def __init__(self, router, experts):
+        super().__init__()
+        self.router, self.experts = router, nn.ModuleList(experts)
+
+    def forward(self, h_TD):
+        y_TD, _, _ = _dense_moe(h_TD, self.router, list(self.experts), K, None, True)
+        logits = self.router(h_TD)
+        probs = logits.softmax(-1)
+        E = len(self.experts)
+        f = torch.bincount(probs.topk(K, -1).indices.reshape(-1), minlength=E).float()
+        f = f / (h_TD.shape[0] * K)
+        self.aux = AUX * E * (f * probs.mean(0)).sum() \
+            + Z * (torch.logsumexp(logits, -1) ** 2).mean()
+        return y_TD
+
+
+def _data(seed: int, rank: int, step: int, micro: int = 0):
+    g = torch.Generator().manual_seed(seed * 1000 + rank * 10 + step + 100 * micro)
+    T = 7 + 3 * rank  # uneven tokens per rank: each rank's loss is the mean over its own
+    return torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+
+
+def _train_worker(case):
+    """Train the distributed model and the dense reference; return what the test compares."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ep_size, L, seed, steps, max_norm = (case["ep_size"], case["L"], case["seed"],
+                                         case["steps"], case["max_norm"])
+    micros = case.get("accumulate", 1)  # micro-batches per step, all but the last in no_sync
+    E = ep_size * L
+    ep, replicas = expert_data_parallel_groups(ep_size)
+    torch.manual_seed(seed)
+    router = nn.Linear(D, E, bias=False)
+    experts = [_ffn(seed * 100 + e) for e in range(E)]
+    ref = _Net(_DenseMoE(copy.deepcopy(router), copy.deepcopy(experts)), seed)
+
+    first = (rank % ep_size) * L
+    local = [copy.deepcopy(experts[e]) for e in range(first, first + L)]
+    layer = MoELayer(local, E, D, top_k=K, router=copy.deepcopy(router), group=ep,
+                     replica_group=replicas, aux_loss_coef=AUX, z_loss_coef=Z)
+    model = _Net(layer, seed)
+    with torch.no_grad():  # off-by-a-bit copies on other ranks: entering must broadcast
+        for p in model.parameters():
+            if rank >= ep_size or (rank > 0 and not getattr(p, "_tribucket_expert_parallel", 0)):
+                p.add_(0.01 * (rank + 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    norms = []
+    with tribucket.fused_bucketing(model) as reducer:
+        n_expert_reducers = len(reducer.expert_reducers)
+        if case.get("expert_hook"):  # torch's own hook, given the replica group, on the experts
+            reducer.expert_reducers[0].register_comm_hook(replicas, default_hooks.allreduce_hook)
+        for step in range(steps):
+            for micro in range(micros):
+                x, t = _data(seed, rank, step, micro)
+                with reducer.no_sync() if micro < micros - 1 else contextlib.nullcontext():
+                    (nn.functional.mse_loss(model(x), t) + aux_losses(model)).backward()
+            if max_norm is not None:
+                norms.append(tribucket.clip_grad_norm_(model, max_norm))
+            opt.step()
+            opt.zero_grad()
+    synced = [r.stats.iterations for r in [reducer, *reducer.expert_reducers]]
+
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    ref_norms = []
+    for step in range(steps):
+        for micro in range(micros):
+            total = 0.0
+            for r in range(world):
+                x, t = _data(seed, r, step, micro)
+                total = total + nn.functional.mse_loss(ref(x), t) + ref.moe.aux
+            (total / world).backward()
+        if max_norm is not None:
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm))
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    want = {"inp.weight": ref.inp.weight, "inp.bias": ref.inp.bias, "head.weight": ref.head.weight,
+            "head.bias": ref.head.bias, "moe.router.weight": ref.moe.router.weight}
+    for e in range(first, first + L):
+        for n, p in ref.moe.experts[e].named_parameters():
+            want[f"moe.experts.{e}.{n}"] = p
+    got = dict(model.named_parameters())
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    return {"got": {n: p.detach().clone() for n, p in got.items()},
+            "want": {n: p.detach().clone() for n, p in want.items()},
+            "norms": norms, "ref_norms": ref_norms, "expert_reducers": n_expert_reducers,
+            "synced": synced}
+
+
+def _check_training(results, case):
+    for rank, out in enumerate(results):
+        for n, p in out["got"].items():
+            torch.testing.assert_close(p, out["want"][n], atol=2e-5, rtol=1e-4,
+                                       msg=lambda m: f"rank {rank} {n} after training: {m}")
+        assert out["expert_reducers"] == (1 if case["ep_size"] < len(results) else 0)
+        # no_sync holds back every reducer, the experts' included: one sync per step
+        assert out["synced"] == [case["steps"]] * (1 + out["expert_reducers"]), out["synced"]
+        if case["max_norm"] is not None:
+            torch.testing.assert_close(torch.stack(out["norms"]), torch.stack(out["ref_norms"]),
+                                       atol=1e-5, rtol=1e-5)
+            # the same total on every rank (so the same clip factor), to the bit
+            assert all(torch.equal(a, b) for a, b in zip(out["norms"], results[0]["norms"]))
+    if case["max_norm"] is not None:  # the case must actually clip
+        assert max(float(n) for n in results[0]["ref_norms"]) > case["max_norm"]
+    dense = [n for n in results[0]["got"] if ".experts." not in n]
+    for out in results[1:]:  # data-parallel parameters bit-identical across ranks
+        assert all(torch.equal(out["got"][n], results[0]["got"][n]) for n in dense)
+
+
+CASES = {
+    # 2 expert-parallel groups x 2 data-parallel replicas, clipping on
+    "ep2xdp2_clip": dict(ep_size=2, L=2, seed=3, steps=3, max_norm=0.15),
+    # pure expert parallelism over the world: the default scale alone makes the mean
+    "ep4": dict(ep_size=4, L=1, seed=4, steps=2, max_norm=None),
+    # gradient accumulation: 2 micro-batches per step, the first under reducer.no_sync();
+    # the experts' buckets go through torch's allreduce_hook on the replica group
+    "ep2xdp2_accumulate_hook": dict(ep_size=2, L=1, seed=5, steps=2, max_norm=None,
+                                    accumulate=2, expert_hook=True),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(CASES))
+def test_training_matches_dense_reference(dist_run, name):
+    case = CASES[name]
+    _check_training(dist_run(_train_worker, case, world_size=4, timeout=180), case)
+
+
+def _bad_groups_worker():
+    ep, replicas = expert_data_parallel_groups(1)  # 2 ranks: EP groups {0}, {1}; replicas {0, 1}
+    out = {}
+    for key, kwargs in (("missing", dict(group=ep)),
+                        ("overlap", dict(group=dist.group.WORLD, replica_group=replicas))):
+        try:
+            MoELayer([nn.Linear(D, D)], 1 if key == "missing" else 2, D, top_k=1, **kwargs)
+        except ValueError as e:
+            out[key] = str(e)
+    return out
+
+
+@pytest.mark.dist
+def test_replica_group_required_and_checked(dist_run):
+    for out in dist_run(_bad_groups_worker, world_size=2):
+        assert "pass replica_group=" in out["missing"] and "ep_size=1" in out["missing"], out
+        assert "no other rank of its expert-parallel group [0, 1]" in out["overlap"], out
+
+
+def test_aux_losses_sums_every_layer_and_rejects_misuse():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[MoELayer([_ffn(e) for e in range(2)], 2, D, aux_loss_coef=0.5,
+                                     z_loss_coef=0.1) for _ in range(2)])
+    with pytest.raises(RuntimeError, match="no MoELayer of the model has run a forward"):
+        aux_losses(model)
+    model(torch.randn(5, D))
+    torch.testing.assert_close(aux_losses(model), model[0].aux_loss + model[1].aux_loss)
+    with pytest.raises(ValueError, match="has no MoELayer"):
+        aux_losses(nn.Linear(2, 2))
+
+
+def test_default_expert_grad_scale_single_process_is_one():
+    layer = MoELayer([_ffn(e) for e in range(2)], 2, D)
+    assert layer.expert_grad_scale == 1.0
+
+
+def _clip_worker(norm_types):
+    """One backward (pure EP, 2 ranks), then each norm type on copies of the gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    L, seed = 2, 11
+    E = world * L
+    torch.manual_seed(seed)
+    router = nn.Linear(D, E, bias=False)
+    experts = [_ffn(seed * 100 + e) for e in range(E)]
+    ref = _Net(_DenseMoE(copy.deepcopy(router), copy.deepcopy(experts)), seed)
+    layer = MoELayer([copy.deepcopy(experts[e]) for e in range(rank * L, rank * L + L)], E, D,
+                     top_k=K, router=copy.deepcopy(router), aux_loss_coef=AUX, z_loss_coef=Z)
+    model = _Net(layer, seed)
+    with tribucket.fused_bucketing(model):
+        x, t = _data(seed, rank, 0)
+        (nn.functional.mse_loss(model(x), t) + aux_losses(model)).backward()
+    total = 0.0
+    for r in range(world):
+        x, t = _data(seed, r, 0)
+        total = total + nn.functional.mse_loss(ref(x), t) + ref.moe.aux
+    (total / world).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    out = {}
+    for norm_type in norm_types:
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+        for n, p in ref.named_parameters():
+            p.grad = ref_grads[n].clone()
+        got = tribucket.clip_grad_norm_(model, 0.05, norm_type=norm_type)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=norm_type)
+        ref_named = dict(ref.named_parameters())  # the same names: experts by global index
+        clipped = {n: (p.grad.clone(), ref_named[n].grad.clone())
+                   for n, p in model.named_parameters()}
+        out[norm_type] = (got, want, clipped)
+    # a non-finite gradient on one rank's expert: every rank raises
+    model.moe.experts[str(rank * L)][0].weight.grad[0, 0] = float("inf") if rank == 1 else 0.0
+    try:
+        tribucket.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        out["nonfinite"] = None
+    except RuntimeError as e:
+        out["nonfinite"] = str(e)
+    return out
+
+
+@pytest.mark.dist
+def test_clip_grad_norm_equals_torch_on_dense_equivalent(dist_run):
+    norm_types = (2.0, 1.0, 3.0, float("inf"))
+    results = dist_run(_clip_worker, norm_types, world_size=2)
+    for rank, out in enumerate(results):
+        for norm_type in norm_types:
+            got, want, clipped = out[norm_type]
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+            assert float(want) > 0.05, "the case must clip"
+            assert torch.equal(got, results[0][norm_type][0]), (rank, norm_type)
+            for n, (g, w) in clipped.items():
+                torch.testing.assert_close(g, w, atol=1e-7, rtol=1e-5,
+                                           msg=lambda m: f"rank {rank} {n} p={norm_type}: {m}")
+        assert "non-finite" in out["nonfinite"] and "error_if_nonfinite=False" in out["nonfinite"]
+    for n in results[0][2.0][2]:
+        if ".experts." not in n:  # dense gradients, clipped: the same bits on every rank
+            assert torch.equal(results[1][2.0][2][n][0], results[0][2.0][2][n][0]), n
+
+
+def _progress_marks_on_replica_groups():
+    """Two reducers' guards on the two replica groups {0, 2} and {1, 3}; rank 3 is behind."""
+    import datetime
+
+    from tribucket.ddp.watchdog import CommGuard
+
+    _, replicas = expert_data_parallel_groups(2)
+    guard = CommGuard(replicas, dist.get_rank(replicas), 2, torch.device("cpu"),
+                      datetime.timedelta(seconds=30), False)
+    if dist.get_rank() != 3:
+        guard.mark_progress(5)
+    dist.barrier()
+    return guard._who_is_behind(5)
+
+
+@pytest.mark.dist
+def test_progress_marks_of_replica_groups_do_not_collide(dist_run):
+    results = dist_run(_progress_marks_on_replica_groups, world_size=4, timeout=60)
+    assert "rank 3 (last started backward never)" in results[1], results[1]
+    assert "Every rank reached this iteration" in results[0], results[0]
+
+
+def _ep_size_differs():
+    try:
+        expert_data_parallel_groups(1 if dist.get_rank() == 0 else 2)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.dist
+def test_ep_size_must_agree_across_ranks(dist_run):
+    for message in dist_run(_ep_size_differs, world_size=2, timeout=30, teardown=True):
+        assert message is not None and "ep_size: 1 on rank 0, 2 on rank 1" in message, message

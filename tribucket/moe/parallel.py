@@ -1,0 +1,114 @@
+"""Expert x data parallelism (the process groups) and the model-wide MoE losses.
+
+With ``world = ep_size * dp_size`` ranks, rank ``r`` sits in expert-parallel (EP) group
+``r // ep_size`` (consecutive ranks, which share the experts between them) at position
+``r % ep_size``, and in the expert-data-parallel (EDP, replica) group of every rank at the
+same position (ranks ``r % ep_size``, ``+ ep_size``, ...), which hold the same experts.
+Example, 4 ranks, ``ep_size=2``: EP groups ``{0, 1}``, ``{2, 3}``; replica groups
+``{0, 2}``, ``{1, 3}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["aux_losses", "expert_data_parallel_groups", "gathered_experts"]
+
+
+def expert_data_parallel_groups(ep_size: int):
+    """``(ep_group, replica_group)`` of this rank, for ``MoELayer(group=, replica_group=)``.
+
+    One all-gather first checks that every rank passed the same ``ep_size`` (a ValueError on
+    every rank otherwise: the group creation that follows must match across ranks).
+
+    Every rank must call it, in the same place (it creates every group, in one order, as
+    ``dist.new_group`` requires). ``replica_group`` is None when ``ep_size`` is the world
+    size (no expert has replicas).
+
+    Example (4 ranks, 2 experts per rank, 4 experts in all, each on 2 ranks)::
+
+        ep, replicas = tribucket.moe.expert_data_parallel_groups(ep_size=2)
+        layer = MoELayer(my_two_experts, num_experts=4, d_model=D, group=ep, replica_group=replicas)
+        with tribucket.fused_bucketing(model):   # dense over the world, experts over `replicas`
+            ...
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("expert_data_parallel_groups needs torch.distributed: call "
+                           "dist.init_process_group(...) first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    every: list = [None] * world
+    dist.all_gather_object(every, ep_size)  # the new_group calls must match: agree first
+    if len(set(map(repr, every))) > 1:
+        raise ValueError("expert_data_parallel_groups needs the same ep_size on every rank, got "
+                         "ep_size: " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(every)))
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1 \
+            or world % ep_size:
+        raise ValueError(f"ep_size={ep_size!r} must be a positive int dividing the world size "
+                         f"{world} (the ranks that share one set of experts)")
+    ep_group = replica_group = None
+    for start in range(0, world, ep_size):  # every rank creates every group, in this order
+        g = dist.new_group(list(range(start, start + ep_size)))
+        if start <= rank < start + ep_size:
+            ep_group = g
+    if ep_size < world:
+        for pos in range(ep_size):
+            g = dist.new_group(list(range(pos, world, ep_size)))
+            if rank % ep_size == pos:
+                replica_group = g
+    return ep_group, replica_group
+
+
+def aux_losses(model: nn.Module) -> torch.Tensor:
+    """The sum of every :class:`MoELayer`'s ``aux_loss`` (balance + z loss) in ``model``
+    from its last forward; add it to your loss: ``loss = task_loss + aux_losses(model)``.
+
+    Layers that have not run a forward yet are skipped; a model without any MoELayer, or
+    none of whose layers has run, is an error (the loss would silently be zero).
+    """
+    from .layer import MoELayer
+
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
+    if not layers:
+        raise ValueError(f"aux_losses: {type(model).__name__} has no MoELayer")
+    losses = [m.aux_loss for _, m in layers if m.aux_loss is not None]
+    if not losses:
+        raise RuntimeError(f"aux_losses: no MoELayer of the model has run a forward yet "
+                           f"({', '.join(repr(n) for n, _ in layers[:3])}): call the model first")
+    return torch.stack([loss.float() for loss in losses]).sum()
+
+
+@contextlib.contextmanager
+def gathered_experts(model: nn.Module) -> Iterator[nn.Module]:
+    """Give every rank all experts of every :class:`MoELayer` in ``model``, so a forward
+    inside runs on one rank alone, with no collective (evaluation on rank 0 only).
+
+    Entering is a collective (every rank of each layer's group, the same model): one
+    all-gather per expert tensor. Inside, each layer computes every token's experts locally
+    (the same routing, capacity and gate weights; the other ranks' experts are detached
+    copies, so this is for evaluation, not training); leaving restores expert parallelism.
+    It needs the memory of every expert on each rank.
+
+    Example::
+
+        with tribucket.moe.gathered_experts(model):   # on every rank
+            if rank == 0:
+                evaluate(model)
+    """
+    from .layer import MoELayer
+
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        raise ValueError(f"gathered_experts: {type(model).__name__} has no MoELayer")
+    everything = [layer.gather_experts() for layer in layers]
+    try:
+        for layer, experts in zip(layers, everything):
+            layer._gathered = experts
+        yield model
+    finally:
+        for layer in layers:
+            layer._gathered = None
