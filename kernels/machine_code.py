@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -124,27 +125,43 @@ def _unpack_specs() -> list[Spec]:
                 for acc in ((False,) if copy else (False, True)):
                     if acc and not (dst.is_floating_point and buf.is_floating_point):
                         continue
-                    v = _pt._unpack_variant(dst, buf, copy)
-                    if v is None or (v, acc) in seen:
-                        continue
-                    seen.add((v, acc))
-                    view, d, is_copy = v
-                    vec = _pt._VEC_BYTES // min(view.itemsize, d.itemsize)
-                    for align in (1, vec):
-                        sig = (("dst_ptrs", "*i64"), ("sizes", "*i64"), ("offsets", "*i64"),
-                               ("block_tensor", "*i32"), ("block_start", "*i64"),
-                               ("buffer", _ptr(view)), ("scale", "fp32"))
-                        const = (("DST", _TRITON_TYPES[d]), ("COPY", is_copy),
-                                 ("ACCUMULATE", acc), ("BLOCK", _pt.BLOCK), ("ALIGN", align))
-                        specs.append(_table_spec("_unpack_kernel", sig, const, "buffer", align))
+                    for stats in (False, True):  # STATS: the reducer's epilogue
+                        v = _pt._unpack_variant(dst, buf, copy, stats)
+                        if v is None or (v, acc, stats) in seen:
+                            continue
+                        seen.add((v, acc, stats))
+                        specs += _unpack_spec(v, acc, stats)
     return specs
 
 
-def _table_spec(kernel, sig, const, buffer_arg, align) -> Spec:
+def _unpack_spec(v, acc: bool, stats: bool) -> list[Spec]:
+    view, d, is_copy = v
+    vec = _pt._VEC_BYTES // min(view.itemsize, d.itemsize)
+    out = []
+    for align in (1, vec):
+        sig = (("dst_ptrs", "*i64"), ("sizes", "*i64"), ("offsets", "*i64"),
+               ("block_tensor", "*i32"), ("block_start", "*i64"),
+               ("buffer", _ptr(view)), ("scale", "fp32"))
+        const = (("DST", _TRITON_TYPES[d]), ("COPY", is_copy),
+                 ("ACCUMULATE", acc), ("BLOCK", _pt.BLOCK), ("ALIGN", align))
+        # the epilogue's scratch (allocated: aligned) and its flag (stats[1:]: 4-byte offset)
+        tail = (("partials", "*fp32"), ("nonfinite", "*fp32"), ("STATS", True)) if stats else ()
+        out.append(_table_spec("_unpack_kernel", sig, const, "buffer", align, tail,
+                               unaligned=("nonfinite",)))
+    return out
+
+
+def _table_spec(kernel, sig, const, buffer_arg, align, tail=(), unaligned=()) -> Spec:
     """The pack/unpack kernels: our own tables are always 16-byte aligned; the bucket buffer
-    is too in the aligned form, and is taken as unaligned (the worst case) in the scalar one."""
-    aligned = tuple(n for n, t in sig if t.startswith("*") and (align > 1 or n != buffer_arg))
-    sig = sig + tuple((k, "constexpr") for k, _ in const)
+    is too in the aligned form, and is taken as unaligned (the worst case) in the scalar one.
+    ``tail``: arguments after the constexprs, ``(name, pointer type)`` or ``(name, value)``
+    for a constexpr; ``unaligned``: pointers never taken as 16-byte aligned."""
+    ptrs = sig + tuple((n, t) for n, t in tail if isinstance(t, str))
+    aligned = tuple(n for n, t in ptrs if t.startswith("*") and n not in unaligned
+                    and (align > 1 or n != buffer_arg))
+    const = const + tuple((n, v) for n, v in tail if not isinstance(v, str))
+    sig = sig + tuple((k, "constexpr") for k, _ in const if k not in dict(tail)) + tuple(
+        (n, t if isinstance(t, str) else "constexpr") for n, t in tail)
     return Spec(kernel, "pack", sig, const, aligned, _pt._NUM_WARPS, False,
                 "buffer" if buffer_arg == "buffer" else "")
 
@@ -253,9 +270,13 @@ def _compile_one(spec: Spec, cc: int, sass: bool = False) -> dict:
                               "i64": "int64"}[v]) if isinstance(v, str) else v)
              for k, v in spec.constexprs}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec.aligned}
+    sig = dict(spec.signature)
+    # trailing parameters a launch leaves at their defaults (the unpack epilogue's, when off)
+    for name, prm in inspect.signature(fn.fn).parameters.items():
+        if name not in sig and prm.default is not inspect.Parameter.empty:
+            sig[name], const[name] = "constexpr", prm.default
     t0 = time.perf_counter()
-    kernel = triton.compile(ASTSource(fn=fn, signature=dict(spec.signature), constexprs=const,
-                                      attrs=attrs),
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                             target=GPUTarget("cuda", cc, _WARP),
                             options={"num_warps": spec.num_warps,
                                      "enable_fp_fusion": spec.fp_fusion})

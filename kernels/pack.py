@@ -163,6 +163,36 @@ def _check_tensors(tensors, sizes, device, buf_dtype, scale, accumulate, *, pack
     return dtypes
 
 
+def _check_stats(stats, device) -> None:
+    if not isinstance(stats, torch.Tensor) or stats.dtype != torch.float32 \
+            or stats.shape != (2,) or stats.device != device:
+        raise ValueError(f"stats must be a float32 tensor of shape (2,) on {device} "
+                         f"([sum of squares, non-finite flag]), got {stats!r:.80}; use "
+                         f"torch.zeros(2, device={str(device)!r})")
+
+
+def norms_fp32(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The 2-norm of each tensor as a 0-dim float32 (half and bf16 tensors are squared and
+    summed in float32, float64 ones in float64): one ``_foreach_norm`` per width."""
+    narrow = [t for t in tensors if t.dtype != torch.float64]
+    wide = [t for t in tensors if t.dtype == torch.float64]
+    norms = list(torch._foreach_norm(narrow, 2, dtype=torch.float32)) if narrow else []
+    return norms + [n.float() for n in torch._foreach_norm(wide)] if wide else norms
+
+
+def _stats_torch(tensors, stats) -> None:
+    """The unpack epilogue on the torch path: one vectorised read of the written tensors."""
+    floats = [t for t in tensors if t.is_floating_point() and t.numel()]
+    if not floats:
+        return
+    norms = torch.stack(norms_fp32(floats))
+    stats[0] += norms.square().sum()
+    if not bool(torch.isfinite(norms).all()):
+        # a norm is inf/NaN: a value is, or finite squares overflowed; tell them apart
+        if any(not bool(torch.isfinite(t).all()) for t in floats):
+            stats[1] = 1.0
+
+
 def _check_found_inf(found_inf, device) -> None:
     if not isinstance(found_inf, torch.Tensor):
         raise TypeError(f"found_inf must be a 1-element float32 tensor or None, got "
@@ -259,22 +289,31 @@ class BucketPlan(_TorchPath, _TritonPath):
         return out
 
     def unpack(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor | None], *,
-               scale: float = 1.0, accumulate: bool = False, check: bool = True) -> None:
+               scale: float = 1.0, accumulate: bool = False, check: bool = True,
+               stats: torch.Tensor | None = None) -> None:
         """Write each tensor's slice of ``buffer`` into it, scaled and cast to its dtype.
 
         ``tensors[i] is None`` is skipped. With ``accumulate`` the value is added to what
-        the tensor holds. ``check=False`` as for ``pack``.
+        the tensor holds. ``check=False`` as for ``pack``. ``stats`` (2-element float32, the
+        epilogue): ``stats[0]`` gains the sum of squares of the values written and
+        ``stats[1]`` is set to 1.0 if one is inf/NaN; in the same launch on the Triton path,
+        one vectorised read of the written tensors on the torch path.
         """
         scale = float(scale)
         if check:
             _check_buffer(buffer, "buffer", self.numel, self.device)
             dtypes = _check_tensors(tensors, self.sizes, self.device, buffer.dtype, scale,
                                     accumulate, pack=False)
+            if stats is not None:
+                _check_stats(stats, self.device)
         else:
             dtypes = None
-        if self._use_triton and self._unpack_triton(buffer, tensors, scale, accumulate, dtypes):
+        if self._use_triton and self._unpack_triton(buffer, tensors, scale, accumulate, dtypes,
+                                                    stats):
             return
         self._unpack_torch(buffer, tensors, scale, accumulate, dtypes, check)
+        if stats is not None:
+            _stats_torch([t for t in tensors if t is not None], stats)
 
     def forget(self, buf: torch.Tensor) -> None:
         """Drop the views this plan caches of ``buf`` (they keep its storage referenced).

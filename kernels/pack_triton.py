@@ -170,14 +170,22 @@ def _unpack_kernel(
     ACCUMULATE: tl.constexpr,  # dst = cast(dst + buffer * scale) instead of cast(buffer * scale)
     BLOCK: tl.constexpr,
     ALIGN: tl.constexpr,  # 1, or the elements every size and offset is a multiple of (host-checked)
+    # the epilogue (the reducer's norm and inf/NaN flag), off unless STATS:
+    partials=None,             # *fp32 [NB]: program b's sum of squares of what it wrote
+    nonfinite=None,            # *fp32 [1]: set to 1.0 when a written value is inf/NaN
+    STATS: tl.constexpr = False,
 ):
     """dst_t[i] = cast(buffer[offsets[t] + i] * scale) (+ dst_t[i] if ACCUMULATE).
 
     Example: bucket ``[a0 a1 a2 _ b0 .. b4]``, offsets [0, 4] -> tensor 0 gets a0..a2 and
     tensor 1 gets b0..b4; the gap is never read.
 
+    STATS (the reducer's epilogue, ``kernels/reference.py``): program b also writes the sum
+    of squares of the values it stored to ``partials[b]`` (float32; the launcher sums the
+    NB partials, in a fixed order) and sets ``nonfinite``, from registers: no extra read.
+
     Bytes: reads sum(n_t) * BUF bytes (+ sum(n_t) * DST if ACCUMULATE), writes
-    sum(n_t) * DST bytes.
+    sum(n_t) * DST bytes (+ 4 per program if STATS).
     """
     idx, n, src_off, addr = _this_block(dst_ptrs, sizes, offsets, block_tensor, block_start,
                                         BLOCK, ALIGN)
@@ -195,6 +203,12 @@ def _unpack_kernel(
             v = tl.load(dst, mask=mask, other=0).to(tl.float32) + v
         y = _cast(v, DST)
     tl.store(dst, y, mask=mask)
+    if STATS:
+        yf = tl.where(mask, y.to(tl.float32), 0.0)  # exact: inf stays inf, NaN stays NaN
+        tl.store(partials + tl.program_id(0).to(tl.int64), tl.sum(yf * yf, axis=0))
+        bad = (tl.abs(yf) == float("inf")) | (yf != yf)
+        if tl.max(bad.to(tl.int32), axis=0) > 0:
+            tl.store(nonfinite, 1.0)  # every writer stores 1.0: the race is benign
 
 
 def _interpreting_kernels() -> bool:
@@ -240,6 +254,14 @@ class _TritonTables:
         self._ptr_key: tuple[int, ...] | None = None
         self._ptrs: torch.Tensor | None = None
         self._ptrs_aligned = False  # every data_ptr() in _ptr_key is a multiple of 16
+        self._partials: torch.Tensor | None = None  # the unpack epilogue's per-program sums
+
+    def partials(self) -> torch.Tensor:
+        """Scratch for the unpack epilogue: one float32 per program, allocated once."""
+        if self._partials is None:
+            self._partials = torch.empty(max(self.nblocks, 1), dtype=torch.float32,
+                                         device=self.device)
+        return self._partials
 
     def pointers(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """The int64 pointer table, rebuilt only when the data_ptr()s change."""
@@ -305,11 +327,18 @@ def _pack_variant(src: torch.dtype, out: torch.dtype, copy: bool, check: bool):
     return None
 
 
-def _unpack_variant(dst: torch.dtype, buf: torch.dtype, copy: bool):
+def _unpack_variant(dst: torch.dtype, buf: torch.dtype, copy: bool, stats: bool = False):
     """How ``_unpack_kernel`` unpacks a ``buf`` buffer into ``dst`` tensors:
     ``(view buffer as, DST, COPY)`` in torch dtypes, or None for the torch path.
     E.g. (float32, float32, copy) -> (int32, int32, True); (float16, float32) ->
-    (float32, float16, False)."""
+    (float32, float16, False). ``stats`` (the epilogue squares the values): floats of the
+    kernel's dtypes only, and a copy loads the real dtype, e.g. (float32, float32, copy,
+    stats) -> (float32, float32, True)."""
+    if stats:
+        if dst not in _TRITON_ARITH or buf not in _TRITON_ARITH:
+            return None
+        if copy:
+            return (buf, buf, True)
     if copy:
         bits = _BITS.get(buf.itemsize)
         return None if bits is None else (bits, bits, True)
@@ -369,13 +398,14 @@ class _TritonPath:
                 enable_fp_fusion=False)
         return True
 
-    def _unpack_triton(self, buffer, tensors, scale, accumulate, dtypes) -> bool:
+    def _unpack_triton(self, buffer, tensors, scale, accumulate, dtypes, stats=None) -> bool:
         b = buffer.dtype
         launches = []
         for d, tab in self._dtype_groups(tensors, dtypes):
             if d is None:
                 continue  # nothing but None tensors: nothing to write
-            v = _unpack_variant(d, b, d == b and scale == 1.0 and not accumulate)
+            v = _unpack_variant(d, b, d == b and scale == 1.0 and not accumulate,
+                                stats is not None)
             if v is None:
                 return False
             view, dst_t, copy = v
@@ -384,10 +414,15 @@ class _TritonPath:
         for tab, elem_bytes, buf, dst_t, copy in launches:
             if tab.nblocks == 0:
                 continue
+            epilogue = {}
+            if stats is not None:
+                epilogue = dict(partials=tab.partials(), nonfinite=stats[1:], STATS=True)
             ptrs = tab.pointers(tensors)
             _unpack_kernel[(tab.nblocks,)](
                 ptrs, tab.sizes, tab.offsets, tab.block_tensor,
                 tab.block_start, buf, scale, DST=dst_t, COPY=copy, ACCUMULATE=accumulate,
                 BLOCK=BLOCK, ALIGN=tab.align(buffer, elem_bytes), num_warps=_NUM_WARPS,
-                enable_fp_fusion=False)
+                enable_fp_fusion=False, **epilogue)
+            if stats is not None:  # NB floats: one small reduction, no host sync
+                stats[0] += epilogue["partials"].sum()
         return True

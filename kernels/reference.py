@@ -15,6 +15,10 @@ The value contract, shared by every backend
   with the product rounded to ``C`` before the add (two roundings, no fused multiply-add).
 * **found_inf**: a one-element float32 tensor set to 1.0 when a packed value (after scale
   and cast) is inf or NaN; never cleared.
+* **stats** (unpack only, the epilogue): a two-element float32 tensor; ``stats[0]`` gains the
+  sum of squares of the values written (in the destination dtype, squared and summed in
+  float32 or wider; summation order is unspecified), ``stats[1]`` is set to 1.0 when a
+  written value is inf or NaN. The 2-norm of the tensors is ``stats[0].sqrt()``.
 
 Example::
 
@@ -99,11 +103,12 @@ def unpack_reference(
     *,
     scale: float = 1.0,
     accumulate: bool = False,
+    stats: torch.Tensor | None = None,
 ) -> None:
     """Write ``buffer[offsets[i]:]`` (scaled, cast to ``tensors[i].dtype``) into ``tensors[i]``.
 
     ``None`` tensors are skipped. With ``accumulate`` the scaled value is added to what the
-    tensor holds (see the module docstring for the rounding).
+    tensor holds (see the module docstring for the rounding and for ``stats``).
     """
     scale = float(scale)
     for i, (t, off) in enumerate(zip(tensors, offsets)):
@@ -120,3 +125,8 @@ def unpack_reference(
             check_value_pair(buffer.dtype, t.dtype, scale, f"tensors[{i}]")
             y = _transform(x, t.dtype, scale)
         t.view(-1).copy_(y)
+        if stats is not None:
+            yd = y.double()  # float64: the reference sum has no rounding to speak of
+            stats[0] += yd.square().sum().float()
+            if not bool(torch.isfinite(yd).all()):
+                stats[1] = 1.0

@@ -26,15 +26,16 @@ import json
 import os
 import pathlib
 import platform
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench import bar_plot, close_worker, init_worker, spawn_measure  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 VARIANTS = ["local", "raw allreduce", "tribucket", "tribucket chunked",
@@ -55,12 +56,7 @@ def make_model(name: str) -> tuple[nn.Module, torch.Tensor]:
 
 def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warmup: int,
             out_path: str, backend: str = "gloo") -> None:
-    torch.set_num_threads(1)
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    device = init_worker(rank, world, port, backend)
     import tribucket
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -156,27 +152,13 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
         }
         with open(out_path, "w") as f:
             json.dump(out, f)
-    for _, _, _, reducer in steps.values():
-        if reducer is not None:
-            reducer.close()
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    close_worker(reducer for *_, reducer in steps.values())
 
 
 def measure(model_name: str, rounds: int, warmup: int, world: int = 2, backend: str = "gloo",
             results: pathlib.Path = RESULTS) -> dict:
-    tmp = results / f".step_{model_name}.json"
-    mp.spawn(_worker, args=(world, _free_port(), model_name, rounds, warmup, str(tmp), backend),
-             nprocs=world)
-    data = json.loads(tmp.read_text())
-    tmp.unlink()
-    return data
+    return spawn_measure(_worker, results / f".step_{model_name}.json", model_name, rounds,
+                         warmup, world, backend)
 
 
 # issue 4 and 5's targets: step time of tribucket over its DDP counterpart, at most
@@ -235,24 +217,9 @@ def table(results: list[dict], meta: dict | None = None) -> str:
 
 
 def plot(results: list[dict], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4))
-    if len(results) == 1:
-        axes = [axes]
-    for ax, res in zip(axes, results):
-        vals = [res["median_s"][v] * 1e3 for v in VARIANTS]
-        colors = ["#999999", "#bbbbbb", "#1f77b4", "#9ecae1", "#aec7e8", "#d62728", "#ff9896",
-                  "#6baed6", "#e377c2"]
-        ax.bar(range(len(VARIANTS)), vals, color=colors)
-        ax.set_xticks(range(len(VARIANTS)), VARIANTS, rotation=30, ha="right")
-        ax.set_ylabel("step time, ms (median)")
-        ax.set_title(f"{res['model']}: 2 gloo ranks, 1 thread each")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    colors = ["#999999", "#bbbbbb", "#1f77b4", "#9ecae1", "#aec7e8", "#d62728", "#ff9896",
+              "#6baed6", "#e377c2"]
+    bar_plot(results, VARIANTS, colors, "{model}: 2 gloo ranks, 1 thread each", path)
 
 
 def main(argv=None) -> None:

@@ -77,11 +77,14 @@ def test_aligned_pack_and_unpack_move_data_only_in_128_bit_accesses(records):
             if c["ACCUMULATE"]:
                 loads += _vectors(r, c["DST"], c["BLOCK"])
             stores = {"128": _vectors(r, c["DST"], c["BLOCK"])}
+            if c.get("STATS"):
+                stores["32"] = 2  # the epilogue: the program's sum of squares, the flag
         what = f"{r['label']} on {r['target']} ({asm})"
         assert r[asm]["ld"] == {"128": loads, **_TABLE_LOADS}, f"{what}: loads {r[asm]['ld']}"
         assert r[asm]["st"] == stores, f"{what}: stores {r[asm]['st']}"
         checked += 1
-    assert checked == 2 * 48, checked  # 48 aligned pack/unpack specializations, two targets
+    # 48 aligned pack/unpack specializations and 21 unpacks with the epilogue, two targets
+    assert checked == 2 * (48 + 21), checked
 
 
 def test_scalar_pack_and_unpack_have_no_128_bit_accesses(records):
@@ -131,7 +134,8 @@ class _LaunchSpy:
         def launch(*args, **kwargs):
             const = tuple(sorted((k, str(v) if not isinstance(v, (bool, int)) else v)
                                  for k, v in kwargs.items()
-                                 if k not in ("num_warps", "enable_fp_fusion")))
+                                 if k not in ("num_warps", "enable_fp_fusion")
+                                 and not isinstance(v, torch.Tensor)))  # (epilogue pointers)
             data = str(args[self.data_arg].dtype) if self.data_arg is not None else None
             self.seen.add((self.name, const, data))
             return self.kernel[grid](*args, **kwargs)
@@ -187,6 +191,8 @@ def test_pack_and_unpack_launch_only_compiled_specializations(monkeypatch):
                 plan.pack(ts, buf, scale=scale, found_inf=flag)
             for acc in ((False, True) if floating and src != torch.float64 else (False,)):
                 plan.unpack(buf, ts, scale=scale, accumulate=acc)
+                if floating:  # the epilogue (the reducer's norm and flag)
+                    plan.unpack(buf, ts, scale=scale, accumulate=acc, stats=torch.zeros(2))
     launched = _normalise(seen)
     assert len(launched) > 30, len(launched)
     missing = launched - _spec_keys()

@@ -7,7 +7,7 @@ communication, and a Python reducer (``fused_bucketing``) and an MoE dispatcher
 
 from __future__ import annotations
 
-from . import hooks
+from . import amp, hooks
 from ._env import nccl_version
 from .clip import clip_grad_norm_
 from .config import ReducerConfig
@@ -26,6 +26,7 @@ __all__ = [
     "ReducerConfig",
     "ReducerStats",
     "TensorSpec",
+    "amp",
     "clip_grad_norm_",
     "compute_layout",
     "fused_bucketing",

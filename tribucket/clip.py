@@ -13,6 +13,11 @@ counted exactly once across the world:
 
 The total is ``(dense + sum over groups) ** (1/p)`` (``max`` for ``p = inf``), bit-identical
 on every rank, and so is the clip factor.
+
+The dense part is free when a reducer has just averaged those gradients: for ``p = 2``, whole
+buckets, unchanged since backward, its epilogue already holds each bucket's norm
+(``tribucket/_epilogue.py``), and the clip multiply runs on the flat buckets (skipped on the
+CPU when the factor is 1). Otherwise the norms are computed here, as torch does.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._epilogue import reducer_clip_with_norm_, reducer_norm_for
 from ._tags import expert_group, is_expert_parallel
 
 __all__ = ["clip_grad_norm_"]
@@ -65,7 +71,11 @@ def clip_grad_norm_(parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor
             g = expert_group(q)
             groups.setdefault(id(g), (g, []))[1].append(q)
     device = params[0].grad.device
-    partials = [_partial(dense, p_norm, foreach, device)]
+    # the dense gradients' norm from the reducers' epilogue when it describes them exactly
+    # (norm 2, whole buckets, unchanged since backward): no pass over them
+    fast = reducer_norm_for(dense) if p_norm == 2.0 and dense else None
+    partials = [fast.square() if fast is not None
+                else _partial(dense, p_norm, foreach, device)]
     partials += [_group_partial(_partial(qs, p_norm, foreach, device), g)
                  for g, qs in groups.values()]
     total = _combine(partials, p_norm)
@@ -74,7 +84,12 @@ def clip_grad_norm_(parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}) "
             "on every rank, so they cannot be clipped; pass error_if_nonfinite=False to skip "
             "this check")
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    if fast is not None and reducer_clip_with_norm_(dense, max_norm, total):
+        experts = [q for q in params if is_expert_parallel(q)]  # dense: one op per bucket
+        if experts:
+            torch.nn.utils.clip_grads_with_norm_(experts, max_norm, total, foreach=foreach)
+    else:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
     return total
 
 

@@ -29,7 +29,6 @@ class _HookTraits:
     wire_dtype: torch.dtype | None  # fused compression: pack straight into this dtype
     prescale: bool                # the reducer fuses the 1/world_size division into pack
     serialize: bool               # call only after the previous bucket's future completed
-    check_overflow: bool          # pack sets found_inf; the reducer agrees on it globally
     chunkable: bool = False       # one averaging allreduce: the reducer may send it in chunks
 
 
@@ -62,19 +61,15 @@ def _torch_single_collective_hooks() -> tuple:
 def _hook_traits(hook: Callable | None, state: Any) -> _HookTraits:
     if hook is None:  # the reducer's own averaging allreduce
         return _HookTraits(builtin=True, wire_dtype=None, prescale=True, serialize=False,
-                           check_overflow=False, chunkable=True)
+                           chunkable=True)
     own = getattr(hook, "_tribucket_traits", None)
     if own is not None:
-        wire, prescale, chunkable = own.wire_dtype, own.prescale, own.chunkable
-        check = bool(getattr(state, "check_overflow", False)) and wire is not None
-        return _HookTraits(builtin=True, wire_dtype=wire, prescale=prescale, serialize=False,
-                           check_overflow=check, chunkable=chunkable)
+        return _HookTraits(builtin=True, wire_dtype=own.wire_dtype, prescale=own.prescale,
+                           serialize=False, chunkable=own.chunkable)
     if hook in _torch_single_collective_hooks():
-        return _HookTraits(builtin=False, wire_dtype=None, prescale=False, serialize=False,
-                           check_overflow=False)
+        return _HookTraits(builtin=False, wire_dtype=None, prescale=False, serialize=False)
     # anything else may launch collectives from its future callbacks (PowerSGD does)
-    return _HookTraits(builtin=False, wire_dtype=None, prescale=False, serialize=True,
-                       check_overflow=False)
+    return _HookTraits(builtin=False, wire_dtype=None, prescale=False, serialize=True)
 
 
 def _group_of(state: Any, bucket: Any = None) -> dist.ProcessGroup:
@@ -103,9 +98,10 @@ class CompressionState:
 
     Args:
         process_group: the group to reduce over (``None``: the default group).
-        check_overflow: report whether any gradient became inf/NaN in half precision. Under
-            tribucket the pack kernel sets the flag in the same pass (no extra read) and the
-            reducer agrees on it across ranks: read ``reducer.found_inf`` after backward.
+        check_overflow: under torch DDP (the generic path), set ``state.found_inf`` to 1.0
+            when the reduced bucket holds an inf/NaN (an overflow of the sum included);
+            never cleared by the hook. Under tribucket it is not needed:
+            ``reducer.found_inf`` covers every averaged gradient, whatever the hook.
     """
 
     __slots__ = ("process_group", "check_overflow", "found_inf")
@@ -114,7 +110,7 @@ class CompressionState:
                  check_overflow: bool = False):
         self.process_group = process_group
         self.check_overflow = bool(check_overflow)
-        #: set by the generic (non-fused, e.g. under torch DDP) path: this rank's overflow
+        #: set by the generic (non-fused, e.g. under torch DDP) path: the reduced bucket's
         self.found_inf = torch.zeros(1)
 
 
@@ -146,12 +142,12 @@ def _compress(dtype: torch.dtype, state: Any, bucket) -> torch.futures.Future[to
     # divide *before* the cast, in full precision, so the cast sees the averaged
     # magnitude (torch's hook casts first and divides in half precision)
     compressed = buf.mul(1.0 / group.size()).to(dtype)
-    if getattr(state, "check_overflow", False):
-        if not bool(torch.isfinite(compressed).all()):
-            state.found_inf.fill_(1.0)
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         buf.copy_(fut.value())
+        # checked after the sum: each rank's term can be finite and the sum not
+        if getattr(state, "check_overflow", False) and not bool(torch.isfinite(buf).all()):
+            state.found_inf.fill_(1.0)
         return buf
 
     return _allreduce(compressed, group).then(decompress)
@@ -164,14 +160,15 @@ def fp16_compress_hook(state: Any, bucket) -> torch.futures.Future[torch.Tensor]
     Fused under tribucket: gradients are scaled by ``1/world_size`` and cast to fp16 in the
     one pack pass (no fp32 staging bucket: the reducer allocates half the bucket memory),
     allreduced, and unpacked straight into the fp32 ``.grad``. Dividing before the cast
-    (torch's ``fp16_compress_hook`` casts first, then divides in fp16) keeps the sum from
-    overflowing: each rank contributes at most ``max|g| / world``. Values below fp16's
-    subnormal range (~6e-8 after division) flush to zero. With
-    ``state=CompressionState(check_overflow=True)`` the reducer sets ``reducer.found_inf``.
+    (torch's ``fp16_compress_hook`` casts first, then divides in fp16) keeps each rank's
+    term from overflowing: it is at most ``max|g| / world``. The *sum* of the terms can
+    still overflow fp16 (two ranks with a gradient of 80000: terms of 40000, sum 80000 >
+    65504); ``reducer.found_inf`` reports it, as any inf/NaN in the averaged gradients
+    (``tribucket.amp.GradScaler`` skips such steps). Values below fp16's subnormal range
+    (~6e-8 after division) flush to zero.
 
     Example::
-        >>> state = tribucket.hooks.CompressionState(check_overflow=True)
-        >>> reducer.register_comm_hook(state, tribucket.hooks.fp16_compress_hook)
+        >>> reducer.register_comm_hook(None, tribucket.hooks.fp16_compress_hook)
     """
     return _compress(torch.float16, state, bucket)
 
@@ -181,8 +178,8 @@ def bf16_compress_hook(state: Any, bucket) -> torch.futures.Future[torch.Tensor]
     """Average the bucket in ``torch.bfloat16``: fp32's range with 8 bits of mantissa.
 
     Fused exactly as :func:`fp16_compress_hook` (scale before a round-to-nearest-even
-    cast, no fp32 staging bucket). bf16 cannot overflow where fp32 does not, but keeps
-    only ~3 significant digits.
+    cast, no fp32 staging bucket). bf16 has fp32's range (only sums within a rounding step
+    of fp32's largest value overflow) but keeps only ~3 significant digits.
 
     Example::
         >>> reducer.register_comm_hook(None, tribucket.hooks.bf16_compress_hook)

@@ -11,8 +11,10 @@ Buckets are launched strictly in bucket order on every rank, so every rank issue
 collectives in the same order. The end of backward is an autograd-engine callback, queued
 from a pre-hook on the forward output's ``grad_fn`` (so it belongs to the outermost backward
 even under reentrant checkpointing) or, failing that, from the first gradient hook. There
-the status (``status.py``) tells every rank whether any rank missed gradients (and, for
-fp16 hooks, overflowed), so an error is raised on every rank instead of leaving one waiting.
+the status (``status.py``) tells every rank whether any rank missed gradients, so an error
+is raised on every rank instead of leaving one waiting. As each bucket is finished, the
+epilogue (``tribucket/_epilogue.py``) records it: its norm and inf/NaN flag, computed by the
+unpack kernel or on first use (``reducer.found_inf``, ``grad_norm()``, clipping, GradScaler).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 import torch
 
 from .. import kernels
+from .._epilogue import Epilogue
 from ..config import ReducerConfig
 from ..layout import BucketLayout
 from . import resume
@@ -73,8 +76,7 @@ class Backward:
         self.slot: list = []                   # parameter -> (its bucket, position in it)
         self.allocated = False                 # buckets match layout and hook
         self.piggyback = False                 # the status rides on the last bucket
-        self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        self.found_inf_arg = None              # found_inf when the hook checks overflow
+        self.epilogue: Epilogue | None = None  # per-bucket norm and inf/NaN flag (allocate)
         self.stats = ReducerStats(buckets=len(self.layout.buckets))
         self.timings = CommTimings()           # every averaged backward (logging_data)
         self.pass_: Pass | None = None         # the backward pass in progress
@@ -156,8 +158,7 @@ class Backward:
             bucket.reset()
         self.guard.mark_progress(p.iteration)
         p.scale = 1.0 / self._divisor() if self.comm.traits.prescale else 1.0
-        if self.found_inf_arg is not None:
-            self.found_inf.zero_()  # the pack kernels only ever set it
+        self.epilogue.reset()  # the figures of the last backward are void
         cfg = self.config
         p.record_order = (self.policy.may_rebuild(self.rebuilt)
                           and (not cfg.static_graph or self.static_counts is not None))
@@ -193,7 +194,7 @@ class Backward:
         then the ready chunks of the first incomplete one."""
         buckets, comm = self.buckets, self.comm
         while p.next_bucket < len(buckets) and buckets[p.next_bucket].state == BucketState.READY:
-            buckets[p.next_bucket].launch(p, comm, self.found_inf_arg)
+            buckets[p.next_bucket].launch(p, comm)
             p.next_bucket += 1
         if p.next_bucket < len(buckets) and buckets[p.next_bucket].chunked:
             buckets[p.next_bucket].send_ready_chunks(p, comm)
@@ -212,7 +213,6 @@ class Backward:
         # reducer sends that allreduce itself (one collective fewer per iteration)
         self.piggyback = (self.world_size > 1 and traits.chunkable and bool(specs)
                           and not specs[-1].sparse)
-        self.found_inf_arg = self.found_inf if traits.check_overflow else None
         self.buckets, self.slot = [], [None] * len(self.params)
         prev = None
         for b, spec in enumerate(specs):
@@ -228,7 +228,7 @@ class Backward:
                                    eager=self._eager(spec), tail=tail)
                 if cfg.gradient_as_bucket_view and any(q.grad is not None for q in params):
                     # (rebuild) carry the accumulated gradients over and view the new bucket
-                    buf = mem.pack([q.grad for q in params], 1.0, None)
+                    buf = mem.pack([q.grad for q in params], 1.0)
                     mem.finish(buf, [q.grad is not None for q in params])
                 bucket = DenseBucket(b, spec, params, last, mem,
                                      mem.chunk_bounds(cfg.comm_chunk_mb, traits.chunkable),
@@ -237,6 +237,10 @@ class Backward:
                 self.slot[i] = (bucket, k)
             self.buckets.append(bucket)
             prev = bucket
+        if self.epilogue is not None:
+            self.epilogue.close()
+        self.epilogue = Epilogue([b.params for b in self.buckets],
+                                 [b.mem for b in self.buckets], self.device)
         self.allocated = True
         self.stats.buckets = len(specs)
         # the buffers one iteration needs (one per bucket, in its wire dtype); a gradient
@@ -289,7 +293,7 @@ class Backward:
         # launch whatever is left, with zeros for missing gradients, so no peer is left
         # blocked in a collective this rank would never join
         for b in range(p.next_bucket, len(self.buckets)):
-            self.buckets[b].launch(p, self.comm, self.found_inf_arg)
+            self.buckets[b].launch(p, self.comm)
         p.next_bucket = len(self.buckets)
 
         results, status, self.stats.status_check_s = self._exchange_status(
@@ -302,8 +306,6 @@ class Backward:
         if sum(counts) > 0:
             missing = [self.names[i] for i in range(len(self.params)) if not p.ready[i]]
             self.status.raise_problems(missing, counts, p.errors)
-        if self.found_inf_arg is not None:
-            self.found_inf.fill_(1.0 if self.status.overflow(status) else 0.0)
         global_used = None
         if used is not None:
             global_used = self.status.used(status)
@@ -311,11 +313,15 @@ class Backward:
                 self.static_used = global_used  # the static graph's used set, once
         elif cfg.static_graph:
             global_used = self.static_used
+        epi = self.epilogue
         for bucket, result in zip(self.buckets, results):
+            stats = epi.fused_stats(bucket.index)
             if global_used is None:
-                bucket.finish(result, bucket.targets_all, True)
+                filled = bucket.finish(result, bucket.targets_all, True, stats)
             else:
-                bucket.finish(result, [global_used[i] for i in bucket.indices], False)
+                filled = bucket.finish(result, [global_used[i] for i in bucket.indices], False,
+                                       stats)
+            epi.finished(bucket.index, stats if filled else None)
         done = time.perf_counter()
         st = self.stats
         st.iterations += 1
@@ -329,6 +335,8 @@ class Backward:
             self._log_buckets(st.bucket_comm_s)
         if self.policy.may_rebuild(self.rebuilt) and self.ready_order:
             self.rebuild(self.ready_order)
+            for bucket in self.buckets:  # the averaged gradients, re-bucketed
+                self.epilogue.finished(bucket.index)
 
     def _local_used(self, p: Pass) -> list | None:
         """This rank's used map when the global one is needed this iteration, else None."""
@@ -341,24 +349,19 @@ class Backward:
         return [1.0 if (f > 0 and self.params[i].grad is not None) else 0.0
                 for i, f in enumerate(p.fired)]
 
-    def _overflow(self) -> float:
-        return float(self.found_inf.item()) if self.found_inf_arg is not None else 0.0
-
     def _write_status_tail(self, p: Pass, buf: torch.Tensor) -> int:
         """Write this rank's status into the tail of the last bucket's buffer."""
         problems = 0 if p.shadow else p.ready.count(0) + len(p.errors)
         p.status_errors = len(p.errors)
         return self.status.write_tail(
-            buf, self.status.tensor(problems, self._overflow(), self._local_used(p),
-                                    self.status.step_mark(p)))
+            buf, self.status.tensor(problems, self._local_used(p), self.status.step_mark(p)))
 
     def _exchange_status(self, p: Pass, problems: int,
                          used: list | None) -> tuple[list, torch.Tensor, float]:
         last = self.buckets[-1].mem if self.piggyback else None
         return self.status.exchange(
             self.buckets, None if last is None else last.active,
-            lambda: self.status.tensor(problems, self._overflow(), used,
-                                       self.status.step_mark(p)),
+            lambda: self.status.tensor(problems, used, self.status.step_mark(p)),
             self.comm.traits.serialize, p.iteration)
 
     def rebuild(self, order: list[int]) -> None:
@@ -379,7 +382,7 @@ class Backward:
         p.shadow = True
         for bucket in self.buckets:
             bucket.reset()
-            bucket.launch(p, self.comm, None, zeros=True)
+            bucket.launch(p, self.comm, zeros=True)
         cfg = self.config
         used = self._local_used(p)
         _, status, _ = self._exchange_status(p, 0, used)

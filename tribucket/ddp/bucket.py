@@ -88,7 +88,7 @@ class GradHook:
         p.ready[self.index] = 1
         bucket, k = bw.slot[self.index]
         if bucket.eager:
-            bucket.put(k, p.scale, bw.found_inf_arg)
+            bucket.put(k, p.scale)
         bucket.pending -= 1
         if bucket.pending == 0:
             bw.bucket_complete(p, bucket)
@@ -209,7 +209,7 @@ class SparseBucket(_BucketBase):
         super().__init__(index, spec, params, is_last)
         self.name = name
 
-    def launch(self, p: Pass, comm: Comm, found_inf, zeros: bool = False) -> None:
+    def launch(self, p: Pass, comm: Comm, zeros: bool = False) -> None:
         param = self.params[0]
         g = None if zeros or not p.ready[self.indices[0]] else param.grad
         if g is None:
@@ -235,9 +235,11 @@ class SparseBucket(_BucketBase):
                                       comm.hook, self.spec, self.index, comm.guard,
                                       self.describe())
 
-    def finish(self, result: torch.Tensor, targets: list, all_targets: bool = False) -> None:
+    def finish(self, result: torch.Tensor, targets: list, all_targets: bool = False,
+               stats: torch.Tensor | None = None) -> bool:
         if targets[0]:
             self.params[0].grad = result
+        return False  # no figures for a sparse gradient (clipping falls back to torch)
 
 
 class DenseBucket(_BucketBase):
@@ -264,11 +266,11 @@ class DenseBucket(_BucketBase):
         self.prefix = self.chunk_next = 0
 
     # ---------------------------------------------------------------- pack
-    def put(self, k: int, scale: float, found_inf) -> None:
+    def put(self, k: int, scale: float) -> None:
         """Eager packing: copy parameter ``k``'s gradient into its slot now."""
-        self.mem.put(k, self.params[k].grad, scale, found_inf)
+        self.mem.put(k, self.params[k].grad, scale)
 
-    def launch(self, p: Pass, comm: Comm, found_inf, zeros: bool = False) -> None:
+    def launch(self, p: Pass, comm: Comm, zeros: bool = False) -> None:
         """Pack the bucket (one fused call; missing gradients as zeros) and communicate it.
         ``zeros``: a Join shadow pass, the whole bucket is zeros."""
         if zeros:
@@ -280,7 +282,7 @@ class DenseBucket(_BucketBase):
                 ready = p.ready
                 grads = [q.grad if ready[i] else None
                          for q, i in zip(self.params, self.indices)]
-            buf = self.mem.pack(grads, p.scale, found_inf)
+            buf = self.mem.pack(grads, p.scale)
         self.communicate(p, comm, buf)
 
     # ---------------------------------------------------------------- communicate
@@ -335,8 +337,10 @@ class DenseBucket(_BucketBase):
         self.handle.works.append(dist.all_reduce(seg, group=comm.chunk_group, async_op=True))
 
     # ---------------------------------------------------------------- finish
-    def finish(self, result: torch.Tensor, targets: list, all_targets: bool = False) -> None:
+    def finish(self, result: torch.Tensor, targets: list, all_targets: bool = False,
+               stats: torch.Tensor | None = None) -> bool:
         """The averaged bucket becomes the gradients of the ``targets`` parameters (lent as
         views of the buffer, or unpacked into them): the one place a reduced bucket ends.
-        ``all_targets``: every parameter of the bucket is a target."""
-        self.mem.finish(result, targets, all_targets)
+        ``all_targets``: every parameter of the bucket is a target. ``stats``: the epilogue's
+        ``[sum of squares, flag]``, filled by an unpack kernel; returns whether it was."""
+        return self.mem.finish(result, targets, all_targets, stats)

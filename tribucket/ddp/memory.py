@@ -131,7 +131,7 @@ class BucketMemory:
             self.active = buf
         return buf
 
-    def put(self, k: int, g: torch.Tensor | None, scale: float, found_inf=None) -> None:
+    def put(self, k: int, g: torch.Tensor | None, scale: float) -> None:
         """Eager mode: put gradient ``k`` (times ``scale``; ``None``: zeros) in its slot now."""
         if self._mode is None:
             if self.transfer and self.lent is not None and self.is_view(k, g, self.lent):
@@ -157,17 +157,17 @@ class BucketMemory:
                 # point .grad at its slot now, as DDP does: autograd's tensor is freed at once
                 # and its memory is reused (still in cache) by the next gradient
                 self.params[k].grad = slot
-        if found_inf is not None and g is not None and not bool(torch.isfinite(view).all()):
-            found_inf.fill_(1.0)  # checked while the slot is still in cache
         self._copied[k] = 1
 
-    def pack(self, grads: list, scale: float, found_inf) -> torch.Tensor:
-        """Put the bucket's gradients (``None``: zeros) into the buffer, times ``scale``."""
+    def pack(self, grads: list, scale: float) -> torch.Tensor:
+        """Put the bucket's gradients (``None``: zeros) into the buffer, times ``scale``.
+        (Whether a value is inf/NaN is read after the sum, by the epilogue: a pack-time
+        check would miss a sum that overflows.)"""
         if self._mode is not None:
             # eager: the ready slots are filled; put the rest (zeros for missing gradients)
             for k, g in enumerate(grads):
                 if not self._copied[k]:
-                    self.put(k, g, scale, found_inf)
+                    self.put(k, g, scale)
             self._mode = None
             self._copied = bytearray(len(self.params))
             return self.active
@@ -182,8 +182,6 @@ class BucketMemory:
                     lent.narrow(0, self.bucket.offsets[k], self.bucket.sizes[k]).zero_()
             if scale != 1.0:
                 lent.mul_(scale)
-            if found_inf is not None and not bool(torch.isfinite(lent).all()):
-                found_inf.fill_(1.0)
             return lent
         buf = self._acquire()
         if not self._dense:
@@ -191,14 +189,18 @@ class BucketMemory:
             # a contiguous parameter's gradient is contiguous (autograd's layout contract)
             grads = [g if g is None or g.is_contiguous() else g.contiguous() for g in grads]
         self._packed = True
-        self.plan.pack(grads, self.body(buf), scale=scale, found_inf=found_inf,
-                       check=not self._checked)
+        self.plan.pack(grads, self.body(buf), scale=scale, check=not self._checked)
         self._checked = True  # same tensors every iteration: validate them once
         return buf
 
-    def finish(self, result: torch.Tensor, targets: list[bool], all_targets: bool = False) -> None:
+    def finish(self, result: torch.Tensor, targets: list[bool], all_targets: bool = False,
+               stats: torch.Tensor | None = None) -> bool:
         """Make ``result`` (the reduced bucket) the gradients of the ``targets`` params
-        (``all_targets``: every parameter is a target)."""
+        (``all_targets``: every parameter is a target).
+
+        ``stats`` (``[sum of squares, non-finite flag]``, float32): filled by the unpack
+        kernel when the result is unpacked (not lent); returns whether it was filled.
+        """
         buf = self.active
         packed, self._packed = self._packed, False
         if self.transfer and buf is not None and result.data_ptr() == buf.data_ptr() \
@@ -210,7 +212,7 @@ class BucketMemory:
                     q.grad = v
                 self.lent, self.active = buf, None
                 self.plan.forget(self.body(buf))
-                return
+                return False
             for k, q in enumerate(self.params):
                 if not targets[k]:
                     continue  # unused on every rank: .grad is left as it was
@@ -228,11 +230,10 @@ class BucketMemory:
             # the plan caches views of the buffers it packs into: drop them, so the storage
             # use count tells whether anything but the reducer still holds the buffer
             self.plan.forget(self.body(buf))
-            return
+            return False
         if self.always_view and buf is not None and result.numel() == self.bucket.numel:
             self.body(buf).copy_(result)  # a hook returned another tensor: the bucket backs .grad
-            self.finish(buf, targets, all_targets)
-            return
+            return self.finish(buf, targets, all_targets)
         grads, strided = [], []
         for k, q in enumerate(self.params):
             g = q.grad if targets[k] else None
@@ -243,12 +244,15 @@ class BucketMemory:
                 strided.append((g, k))  # e.g. channels_last: unpacked through a copy
                 g = None
             grads.append(g)
+        if strided:
+            stats = None  # some gradients are written apart: the figures are read later
         self.plan.unpack(self.body(result) if result.numel() != self.bucket.numel else result,
-                         grads, check=not self._checked_unpack)
+                         grads, check=not self._checked_unpack, stats=stats)
         self._checked_unpack = True
         for g, k in strided:
             off, n = self.bucket.offsets[k], self.bucket.sizes[k]
             g.copy_(result.narrow(0, off, n).view(g.shape))
+        return stats is not None
 
     def zeros(self) -> torch.Tensor:
         """The buffer this pass sends, all zeros (a Join shadow pass)."""

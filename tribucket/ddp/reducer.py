@@ -97,10 +97,8 @@ class Reducer(DDPCompat, Joinable):
         self._bw = Backward(config, self._params, self._names, view.expect_sparse,
                             self._guard, self._comm, self._join_flags, self._device)
         self._require_forward_param_sync = True  # broadcast buffers before the next forward
+        self._found_inf = torch.zeros(1, dtype=torch.float32, device=self._device)
         self._initial_sizes = bucket_sizes(self._bw.layout)  # logging_data()'s bucket_sizes
-        #: set to 1.0 by a compression hook with ``check_overflow`` when the averaged
-        #: gradients overflowed in the last backward
-        self.found_inf = self._bw.found_inf
         #: figures of the last backward (:class:`ReducerStats`)
         self.stats = self._bw.stats
         self._handles: list = []
@@ -134,6 +132,32 @@ class Reducer(DDPCompat, Joinable):
         return ref
 
     # ------------------------------------------------------------------ public API
+    @property
+    def found_inf(self) -> torch.Tensor:
+        """1.0 when an averaged gradient of the last backward is inf or NaN, else 0.0.
+
+        A 1-element float32 tensor on the model's device (the same tensor every time),
+        computed from the *reduced* gradients, so it covers an overflow of the sum on the
+        wire and a NaN on one rank only, with any hook; equal on every rank. Computed on
+        first read after each backward from the epilogue's per-bucket flags (see
+        ``grad_norm``); gradients changed since are read as they are now.
+        """
+        if self._bw.epilogue is not None:
+            self._bw.epilogue.found_inf(self._found_inf)
+        return self._found_inf
+
+    def grad_norm(self) -> torch.Tensor:
+        """Total 2-norm (0-dim float32) of the gradients of the parameters this reducer
+        averages, as ``torch.nn.utils.clip_grad_norm_`` would compute it.
+
+        From the per-bucket figures of the fused epilogue: on CUDA the unpack kernel computes
+        them while it writes the gradients; a bucket lent to ``.grad`` (no pass) is read once,
+        flat, on first use. Gradients changed since the backward are read as they are now.
+        """
+        if self._bw.epilogue is None:
+            return torch.zeros((), device=self._device)
+        return self._bw.epilogue.grad_norm()
+
     @property
     def layout(self) -> BucketLayout:
         """The current bucket layout (DDP's, before and after the rebuild)."""
@@ -274,6 +298,8 @@ class Reducer(DDPCompat, Joinable):
         if lent is not None and not self._guard.failed:
             # (after a failure a callback may still run: it must not reach the default group)
             lent.process_group = None
+        if self._bw.epilogue is not None:
+            self._bw.epilogue.close()  # its figures no longer answer for these gradients
         for h in self._handles:
             h.remove()
         self._handles.clear()

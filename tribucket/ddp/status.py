@@ -1,10 +1,11 @@
 """The end-of-backward status: one small allreduce (or a tail on the last bucket's) that
-tells every rank which ranks missed gradients or misused the reducer, whether any fp16
-gradient overflowed, and (when needed) the global used map, so an error is raised on every
-rank instead of leaving one waiting in a collective.
+tells every rank which ranks missed gradients or misused the reducer and (when needed) the
+global used map, so an error is raised on every rank instead of leaving one waiting in a
+collective. (Whether a gradient is inf/NaN needs no agreement: every rank reads it from the
+same reduced values, see ``tribucket/_epilogue.py``.)
 
 Layout of the status vector:
-``[problems per rank (world) | overflow (1) | step mark per rank (world) | used map]``.
+``[problems per rank (world) | step mark per rank (world) | used map]``.
 Each rank writes only its own slots, so the sum is exact even in a bf16 wire buffer (every
 integer up to 256 is a bf16 value): the step mark is ``1 + forwards mod 255`` (the training
 step, see :meth:`Status.check_steps`), 0 for "not checked" (a Join shadow pass).
@@ -32,24 +33,22 @@ class Status:
         self.device = device
         # room for the used map (find_unused_parameters or static_graph): the length is
         # fixed, so the tail of the last bucket can hold it
-        self.length = 2 * world_size + 1 + (n_params if with_used_map else 0)
+        self.length = 2 * world_size + (n_params if with_used_map else 0)
 
     @staticmethod
     def step_mark(p) -> int:
         """What this rank writes in its step slot for pass ``p``."""
         return 0 if p.shadow else 1 + p.step % 255
 
-    def tensor(self, problems: int, overflow: float, used: list | None,
-               step_mark: int = 0) -> torch.Tensor:
+    def tensor(self, problems: int, used: list | None, step_mark: int = 0) -> torch.Tensor:
         """This rank's status; ``used`` (0/1 per parameter) or None when not needed."""
         ws = self.world_size
-        status = torch.zeros(2 * ws + 1 + (len(used) if used is not None else 0),
+        status = torch.zeros(2 * ws + (len(used) if used is not None else 0),
                              dtype=torch.float32)
         status[self.rank] = problems
-        status[ws] = overflow
-        status[ws + 1 + self.rank] = step_mark
+        status[ws + self.rank] = step_mark
         if used is not None:
-            status[2 * ws + 1:] = torch.tensor(used, dtype=status.dtype)
+            status[2 * ws:] = torch.tensor(used, dtype=status.dtype)
         return status.to(self.device)
 
     def write_tail(self, buf: torch.Tensor, status: torch.Tensor) -> int:
@@ -101,11 +100,8 @@ class Status:
     def problems(self, status: torch.Tensor) -> list[float]:
         return status[: self.world_size].tolist()
 
-    def overflow(self, status: torch.Tensor) -> bool:
-        return status[self.world_size].item() > 0
-
     def used(self, status: torch.Tensor) -> list[bool]:
-        return (status[2 * self.world_size + 1:] > 0).tolist()
+        return (status[2 * self.world_size:] > 0).tolist()
 
     def check_steps(self, status: torch.Tensor) -> None:
         """Raise on every rank if the ranks are not in the backward of the same training step.
@@ -114,7 +110,7 @@ class Status:
         before the backward began: a rank that ran a forward without backward, or one more
         backward, pairs its collectives with another step of its peers."""
         ws = self.world_size
-        marks = [int(m) for m in status[ws + 1: 2 * ws + 1].tolist()]
+        marks = [int(m) for m in status[ws: 2 * ws].tolist()]
         if len({m for m in marks if m > 0}) <= 1:
             return
         seen = ", ".join(f"rank {r}: training forward {m - 1}" for r, m in enumerate(marks)

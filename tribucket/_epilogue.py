@@ -1,0 +1,311 @@
+"""The reducer's epilogue: per bucket, the 2-norm and the non-finite flag of the averaged
+gradients, and who may use them (``reducer.grad_norm()``, ``reducer.found_inf``,
+``tribucket.clip_grad_norm_``, ``tribucket.amp.GradScaler``).
+
+Passes over gradient memory, per bucket and backward:
+
+* the bucket is *unpacked* by the Triton kernel (CUDA, e.g. a fp16 wire decompressed into
+  fp32 ``.grad``): the kernel adds each block's sum of squares and sets the flag while it
+  writes the gradients: **zero extra passes**;
+* the bucket is *lent* (its averaged buffer becomes the ``.grad`` views: no pass at all),
+  or unpacked by the torch path (CPU): the statistics are computed the first time someone
+  asks, with one vectorised read of the flat bucket (or of its gradients when they are not
+  views of it): **one read**, only in iterations that use them, and it replaces the read that
+  ``clip_grad_norm_`` (``_foreach_norm``) and ``GradScaler.unscale_`` (the inf check) would
+  each make. Nobody asks: nothing is computed.
+
+``found_inf`` needs no collective: every rank holds the same reduced values (an allreduce's
+result), so every rank computes the same flag. A hook whose ranks end with different values
+(``gossip_hook``) gives a per-rank flag, as ``GradScaler`` under DDP would.
+
+Freshness: the statistics describe the gradients as the reducer finished them. Each bucket
+remembers which tensor each ``.grad`` was (a weak reference: holding the gradient would keep
+the bucket's buffer from being reused) and its version counter (bumped by every in-place
+write, through any view). ``clip_grad_norm_`` and ``GradScaler`` use the statistics only
+while every gradient is the same tensor with the same version; ``scale_`` multiplies the
+gradients and keeps them fresh (the norm scales with the factor, the flag stays).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Iterable, Sequence
+
+import torch
+
+from .kernels.pack import norms_fp32
+
+__all__ = ["Epilogue", "reducer_clip_with_norm_", "reducer_found_inf_for", "reducer_norm_for",
+           "reducer_scale_"]
+
+_LIVE: "weakref.WeakSet[Epilogue]" = weakref.WeakSet()  # epilogues of attached reducers
+
+
+def _nonfinite(tensors: Sequence[torch.Tensor], norm: torch.Tensor) -> torch.Tensor:
+    """The flag (0-dim float32) of ``tensors`` whose 2-norm is ``norm``.
+
+    A finite norm means every value is finite. A non-finite one may also come from squares
+    that overflow float32 (values above ~1.8e19): on the CPU (no device sync to pay) the
+    flagged tensors are confirmed exactly with ``aminmax``, as the pack's check does; on
+    other devices the norm's finiteness is the flag (no host sync).
+    """
+    flag = (~torch.isfinite(norm)).float()
+    if norm.device.type != "cpu" or not bool(flag):
+        return flag
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        lo, hi = torch.aminmax(t.reshape(-1))
+        if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+            return flag
+    return flag.zero_()
+
+
+def _norm_of(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """2-norm (0-dim float32) of the values of ``tensors``, as ``clip_grad_norm_`` forms it."""
+    if len(tensors) == 1 and tensors[0].dtype != torch.float64:
+        return torch.linalg.vector_norm(tensors[0], dtype=torch.float32)
+    norms = norms_fp32(tensors)
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+class _Record:
+    """What one bucket's gradients were when the reducer finished them, and their figures."""
+
+    __slots__ = ("refs", "versions", "norm", "flag")
+
+    def __init__(self, grads: list):
+        self.refs = [None if g is None else weakref.ref(g) for g in grads]
+        self.versions = [0 if g is None else g._version for g in grads]
+        self.norm: torch.Tensor | None = None  # 0-dim float32, computed on demand
+        self.flag: torch.Tensor | None = None  # 0-dim float32: 1.0 = some value inf/NaN
+
+
+class Epilogue:
+    """The per-bucket figures of one reducer's current layout (see the module docstring).
+
+    ``params[b]`` are the parameters of bucket ``b`` (layout order); ``mems[b]`` its
+    ``BucketMemory`` (``None``: a sparse bucket, which has no figures: users of a sparse
+    gradient fall back to torch).
+    """
+
+    def __init__(self, params: list[list[torch.Tensor]], mems: list, device: torch.device):
+        self.params = params
+        self.mems = mems
+        self.device = device
+        self.bucket_of = {id(q): b for b, ps in enumerate(params) for q in ps}
+        self.records: list[_Record | None] = [None] * len(params)
+        _LIVE.add(self)
+
+    def close(self) -> None:
+        _LIVE.discard(self)
+        self.records = [None] * len(self.params)
+
+    # -- written by the reducer ---------------------------------------------------------
+    def reset(self) -> None:
+        """A new synchronised backward started: the figures of the last one are void."""
+        self.records = [None] * len(self.params)
+
+    def fused_stats(self, b: int) -> torch.Tensor | None:
+        """A zeroed ``[sum of squares, flag]`` for the unpack kernel of bucket ``b`` to fill,
+        or None where the unpack does not compute them (torch path: computed on demand)."""
+        mem = self.mems[b]
+        if mem is None or not getattr(mem.plan, "_use_triton", False):
+            return None
+        return torch.zeros(2, dtype=torch.float32, device=self.device)
+
+    def finished(self, b: int, stats: torch.Tensor | None = None) -> None:
+        """Bucket ``b``'s averaged gradients are in ``.grad`` (``stats``: what the unpack
+        kernel computed, if it did)."""
+        if self.mems[b] is None:
+            self.records[b] = None
+            return
+        rec = self.records[b] = _Record([q.grad for q in self.params[b]])
+        if stats is not None:
+            rec.norm = stats[0].sqrt()
+            rec.flag = (stats[1] > 0).float()
+
+    # -- read by the users ----------------------------------------------------------------
+    def fresh(self, b: int) -> _Record | None:
+        """Bucket ``b``'s record if every gradient is still what the reducer finished."""
+        rec = self.records[b]
+        if rec is None:
+            return None
+        for q, ref, v in zip(self.params[b], rec.refs, rec.versions):
+            g = q.grad
+            if ref is None:
+                if g is not None:
+                    return None
+            elif g is None or g is not ref() or g._version != v:
+                return None
+        return rec
+
+    def _grads(self, b: int) -> list[torch.Tensor]:
+        return [q.grad for q in self.params[b] if q.grad is not None]
+
+    def _flat(self, b: int) -> torch.Tensor | None:
+        """The bucket's averaged buffer when every gradient is a view of it (lent). Only for a
+        fresh bucket: then a parameter without a gradient has a zero slot (unused on every
+        rank: the pack wrote zeros); after a user's ``p.grad = None`` its slot is stale."""
+        mem = self.mems[b]
+        buf = mem.lent
+        if buf is None or not all(q.grad is None or mem.is_view(k, q.grad, buf)
+                                  for k, q in enumerate(self.params[b])):
+            return None
+        return mem.body(buf)
+
+    def figures(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm, flag)`` of bucket ``b``'s current gradients: the record's when fresh
+        (computed now if the unpack did not), else computed from the gradients as they are."""
+        rec = self.fresh(b) if self.mems[b] is not None else None
+        if rec is not None and rec.norm is not None:
+            return rec.norm, rec.flag
+        flat = self._flat(b) if rec is not None else None
+        tensors = [flat] if flat is not None else self._grads(b)
+        if any(t.is_sparse for t in tensors):
+            tensors = [t.coalesce()._values() if t.is_sparse else t for t in tensors]
+        norm = _norm_of(tensors).to(self.device)
+        flag = _nonfinite(tensors, norm)
+        if rec is not None:
+            rec.norm, rec.flag = norm, flag
+        return norm, flag
+
+    def found_inf(self, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` (1 element) with 1.0 when a gradient of the reducer is inf/NaN."""
+        flags = [self.figures(b)[1] for b in range(len(self.params))]
+        if not flags:
+            return out.zero_()
+        return out.copy_(torch.stack(flags).amax().reshape(out.shape))
+
+    def grad_norm(self) -> torch.Tensor:
+        """Total 2-norm of the reducer's gradients (0-dim float32)."""
+        norms = [self.figures(b)[0] for b in range(len(self.params))]
+        if not norms:
+            return torch.zeros((), device=self.device)
+        return torch.linalg.vector_norm(torch.stack(norms))
+
+    def covering(self, params: Iterable[torch.Tensor]) -> list[int] | None:
+        """The buckets whose figures describe exactly the gradients of ``params``, all fresh;
+        None when some parameter is not this reducer's, or a bucket is only partly given,
+        or not fresh. Parameters without a gradient are ignored (as torch's clipping does)."""
+        given = {id(q) for q in params if q.grad is not None}
+        buckets = set()
+        for i in given:
+            b = self.bucket_of.get(i)
+            if b is None:
+                return None
+            buckets.add(b)
+        for b in buckets:
+            if any(q.grad is not None and id(q) not in given for q in self.params[b]):
+                return None
+            if self.mems[b] is None or self.fresh(b) is None:
+                return None
+        return sorted(buckets)
+
+    def scale_(self, buckets: list[int], factor: torch.Tensor) -> None:
+        """Multiply the gradients of fresh ``buckets`` by ``factor`` (0-dim tensor, or float)
+        in place, one op per lent bucket, and keep their figures fresh."""
+        recs = [self.fresh(b) for b in buckets]
+        assert all(r is not None for r in recs), "scale_ is for fresh buckets (see covering)"
+        flats = [self._flat(b) for b in buckets]
+        loose = [g for b, flat in zip(buckets, flats) if flat is None for g in self._grads(b)]
+        for flat in flats:
+            if flat is not None:
+                flat.mul_(factor)
+        if loose:
+            torch._foreach_mul_(loose, factor)
+        # versions after every multiply: gradients of two buckets may share a storage (the
+        # views of the buffer before a rebuild), whose version counter both writes bump
+        for b, rec in zip(buckets, recs):
+            rec.versions = [0 if q.grad is None else q.grad._version for q in self.params[b]]
+            if rec.norm is not None:
+                f = factor if isinstance(factor, torch.Tensor) else torch.tensor(factor)
+                # |factor| <= 1 (unscaling, clipping) keeps finite values finite and the flag
+                # valid; a larger factor could overflow: recompute on the next read
+                f = f.abs().to(rec.norm)
+                if f.device.type == "cpu" and bool(f > 1.0):
+                    rec.norm = rec.flag = None
+                else:
+                    rec.norm = rec.norm * f
+
+
+# ---------------------------------------------------------------------------------------
+# Lookups across the live reducers (for clip_grad_norm_ and the GradScaler)
+# ---------------------------------------------------------------------------------------
+def _cover(params: Sequence[torch.Tensor]) -> list[tuple[Epilogue, list[int]]] | None:
+    """``[(epilogue, buckets)]`` whose fresh figures cover exactly ``params``' gradients."""
+    params = [q for q in params if q.grad is not None]
+    if not params:
+        return None
+    owned: dict[Epilogue, list] = {}
+    live = list(_LIVE)
+    for q in params:
+        for epi in live:
+            if id(q) in epi.bucket_of:
+                owned.setdefault(epi, []).append(q)
+                break
+        else:
+            return None  # not a live reducer's parameter (expert-parallel, ignored, ...)
+    out = []
+    for epi, ps in owned.items():
+        buckets = epi.covering(ps)
+        if buckets is None:
+            return None
+        out.append((epi, buckets))
+    return out
+
+
+def reducer_norm_for(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
+    """The total 2-norm of ``params``' gradients from the reducers' epilogue, or None.
+
+    None unless every parameter with a gradient is owned by a live reducer, the buckets it
+    belongs to are given whole, and their gradients are unchanged since the reducer finished
+    them (or changed only through :func:`reducer_scale_`). Then no pass over the gradients
+    is needed beyond the epilogue's (see the module docstring).
+    """
+    cover = _cover(list(params))
+    if cover is None:
+        return None
+    norms = [epi.figures(b)[0] for epi, buckets in cover for b in buckets]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def reducer_found_inf_for(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
+    """1.0/0.0 (0-dim float32): whether a gradient of ``params`` is inf/NaN, from the
+    reducers' epilogue; None under the conditions of :func:`reducer_norm_for`."""
+    cover = _cover(list(params))
+    if cover is None:
+        return None
+    flags = [epi.figures(b)[1] for epi, buckets in cover for b in buckets]
+    return torch.stack(flags).amax()
+
+
+def reducer_scale_(params: Iterable[torch.Tensor], factor) -> bool:
+    """Multiply ``params``' gradients by ``factor`` through the reducers' buckets (one op per
+    lent bucket), keeping their figures fresh. False (nothing done) when not covered."""
+    cover = _cover(list(params))
+    if cover is None:
+        return False
+    for epi, buckets in cover:
+        epi.scale_(buckets, factor)
+    return True
+
+
+def reducer_clip_with_norm_(params: Sequence[torch.Tensor], max_norm: float,
+                            total: torch.Tensor) -> bool:
+    """``torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)`` through the
+    reducers' buckets: torch's coefficient ``min(max_norm / (total + 1e-6), 1)``, one multiply
+    per lent bucket, skipped on the CPU when the coefficient is 1 (a multiply by 1 changes
+    nothing; on other devices it runs, as in torch, to avoid a host sync). False (nothing
+    done) when ``params`` are not covered (see :func:`reducer_norm_for`).
+
+    ``total`` may be larger than ``params``' own norm (expert-parallel parameters counted in
+    it and clipped by the caller).
+    """
+    params = list(params)
+    if _cover(params) is None:
+        return False
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    if total.device.type != "cpu" or bool(coef < 1.0):
+        reducer_scale_(params, coef)
+    return True
