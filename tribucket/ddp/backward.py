@@ -423,7 +423,7 @@ class Backward:
                         f"rank {self.rank} before its end")
         self.ready_order = []  # the order of a broken pass is no base for the rebuild
         for b in range(p.next_bucket, len(self.buckets)):
-            self.buckets[b].launch(p, self.comm, self.found_inf_arg)
+            self.buckets[b].launch(p, self.comm)
         p.next_bucket = len(self.buckets)
         self._exchange_status(p, p.ready.count(0) + len(p.errors), self._local_used(p))
 
