@@ -13,6 +13,7 @@ from .config import ReducerConfig
 from .grad_bucket import GradBucket
 from .layout import NO_CAP, Bucket, BucketLayout, TensorSpec, compute_layout
 from .reducer import Reducer, ReducerStats, fused_bucketing
+from .zero import ShardedOptimizer
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "Reducer",
     "ReducerConfig",
     "ReducerStats",
+    "ShardedOptimizer",
     "TensorSpec",
     "compute_layout",
     "fused_bucketing",

@@ -19,7 +19,7 @@ class LayoutSupport:
 
     def _initial_layout(self) -> BucketLayout:
         cfg = self.config
-        if cfg.find_unused_parameters and not cfg.static_graph:
+        if (cfg.find_unused_parameters and not cfg.static_graph) or cfg.shard_optimizer:
             # DDP keeps its size-capped initial buckets when it will never rebuild
             caps = dict(bucket_cap_bytes=cfg.bucket_cap_bytes,
                         first_bucket_cap_bytes=min(cfg.first_bucket_cap_bytes,
@@ -34,6 +34,8 @@ class LayoutSupport:
     def _should_rebuild(self) -> bool:
         cfg = self.config
         if self._rebuilt or (cfg.find_unused_parameters and not cfg.static_graph):
+            return False
+        if cfg.shard_optimizer:  # the optimizer's shards follow the first layout
             return False
         return bool(self._ready_order)
 

@@ -31,7 +31,8 @@ class StatusSupport:
         if p.shadow:
             return [0.0] * len(self._params)
         # locally used: the hook fired with a gradient (DDP's local_used_map)
-        return [1.0 if (f > 0 and self._params[i].grad is not None) else 0.0
+        return [1.0 if (f > 0 and (self._shards is not None
+                                               or self._params[i].grad is not None)) else 0.0
                 for i, f in enumerate(p.fired)]
 
     def _exchange_status(self, p: _Pass, problems: int,

@@ -57,6 +57,11 @@ class ReducerConfig:
     #: Data parallel, Speed); try it where the communication threads have cores of their own.
     #: Applies to the default allreduce and tribucket's allreduce/fp16/bf16 hooks
     comm_chunk_mb: float | None = None
+    #: reduce-scatter each bucket instead of allreducing it: every rank keeps only its
+    #: 1/world slice of the averaged gradients (``.grad`` stays ``None``) for a
+    #: :class:`tribucket.ShardedOptimizer` to step; buckets are sized by the caps from the
+    #: first iteration on and never rebuilt (the optimizer's shards follow them)
+    shard_optimizer: bool = False
     #: a collective that takes longer than this fails instead of hanging (``None``: the
     #: process group's own timeout); see the README's Reliability section
     timeout: datetime.timedelta | None = None
@@ -70,9 +75,13 @@ class ReducerConfig:
         if self.comm_chunk_mb is not None and self.comm_chunk_mb != 0:
             _positive_mb("comm_chunk_mb", self.comm_chunk_mb)
         for name in ("gradient_as_bucket_view", "find_unused_parameters", "static_graph",
-                     "broadcast_buffers", "debug"):
+                     "broadcast_buffers", "debug", "shard_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.shard_optimizer and self.comm_chunk_mb:
+            raise ValueError(f"comm_chunk_mb={self.comm_chunk_mb!r} cannot be combined with "
+                             "shard_optimizer=True (a bucket is reduce-scattered whole); "
+                             "leave comm_chunk_mb unset")
         if isinstance(self.ignore_parameters, (str, bytes)):
             raise TypeError("ignore_parameters must be a collection of parameters or names, "
                             f"got the string {self.ignore_parameters!r}; wrap it in a tuple")

@@ -43,6 +43,7 @@ from ._join import JoinSupport
 from ._pass import ReducerStats, _BucketState, _Pass
 from ._rebuild import _DDP_ALIGN_BYTES, LayoutSupport
 from ._resume import ResumeSupport
+from ._shard import ShardSupport, _ShardWork
 from ._status import StatusSupport
 from ._memory import BucketMemory
 from ._model import inspect_model, verify_across_ranks
@@ -63,7 +64,7 @@ logger = logging.getLogger("tribucket")
 _ALIGN_BYTES = 16
 
 
-class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
+class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport, ShardSupport):
     """Average gradients across ranks with DDP's semantics; see :func:`fused_bucketing`.
 
     Usable directly: ``reducer = Reducer(model)`` attaches, ``reducer.close()`` detaches
@@ -108,6 +109,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         self._chunk_group = self._guard.group  # where chunked averaging allreduces go
         # layout and the memory behind it (buffers are allocated at the first backward)
         self._layout = self._initial_layout()
+        self._init_shards()  # shard_optimizer: this rank's slice of every bucket
         self._mem: list[BucketMemory | None] = []  # per bucket (None: sparse)
         self._bucket_params: list[list[torch.Tensor]] = []
         self._bucket_index: list[list[int]] = []   # per bucket: parameter indices
@@ -186,6 +188,10 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got "
                             f"{type(hook).__name__} {hook!r}")
+        if self.config.shard_optimizer:
+            raise ValueError(f"cannot register {hook_name(hook)}: with shard_optimizer=True "
+                             "each bucket is reduce-scattered by the reducer itself, so no "
+                             "comm hook runs; drop shard_optimizer or the hook")
         if self._hook is not None:
             raise RuntimeError(f"a comm hook ({hook_name(self._hook)}) is already registered; "
                                "register_comm_hook can be called only once per reducer")
@@ -400,7 +406,8 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
 
     def _recording_order(self) -> bool:
         cfg = self.config
-        if self._rebuilt or (cfg.find_unused_parameters and not cfg.static_graph):
+        if self._rebuilt or cfg.shard_optimizer or (cfg.find_unused_parameters
+                                                    and not cfg.static_graph):
             return False
         return not cfg.static_graph or self._static_counts is not None
 
@@ -424,7 +431,7 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         # reducer sends that allreduce itself (one collective fewer per iteration)
         buckets = self._layout.buckets
         self._piggyback = (self.world_size > 1 and self._traits.chunkable and bool(buckets)
-                           and not buckets[-1].sparse)
+                           and not buckets[-1].sparse and self._shards is None)
         for b, bucket in enumerate(buckets):
             params = [self._params[i] for i in bucket.indices]
             self._bucket_params.append(params)
@@ -438,7 +445,8 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
             mem = BucketMemory(bucket, params, self._wire_dtype(bucket.dtype), plan,
                                always_view=self.config.gradient_as_bucket_view,
                                eager=self._eager_pack(),
-                               tail=self._status_len() if last else 0)
+                               tail=self._status_len() if last else
+                               self._shard_pad(b))
             self._chunks[b] = mem.chunk_bounds(self.config.comm_chunk_mb,
                                                self._traits.chunkable)
             if self.config.gradient_as_bucket_view and any(q.grad is not None for q in params):
@@ -487,6 +495,9 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         grads = [q.grad if ready[i] else None for q, i in zip(params, self._bucket_index[b])]
         found = self.found_inf if self._traits.check_overflow else None
         buf = self._mem[b].pack(grads, p.scale, found)
+        if self._shards is not None:
+            self._send_shard(p, b, buf)
+            return
         self._send(p, b, buf, params, bucket)
 
     def _send(self, p: _Pass, b: int, buf: torch.Tensor, params: list, bucket) -> None:
@@ -552,7 +563,8 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         used = None
         if cfg.find_unused_parameters or (cfg.static_graph and self._static_used is None):
             # locally used: the hook fired with a gradient (DDP's local_used_map)
-            used = [1.0 if (f > 0 and self._params[i].grad is not None) else 0.0
+            used = [1.0 if (f > 0 and (self._shards is not None
+                                               or self._params[i].grad is not None)) else 0.0
                     for i, f in enumerate(p.fired)]
         missing = [i for i in range(len(self._params)) if not p.ready[i]]
         # launch whatever is left, with zeros for missing gradients, so no peer is left
@@ -609,6 +621,8 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
                 for work in h:
                     self._guard.wait(work, f"the allreduce of {what}", it)
                 results.append(self._mem[b].body(self._mem[b].active))
+            elif isinstance(h, _ShardWork):
+                results.append(self._collect_shard(p, b))
             elif isinstance(h, SparseWork):
                 self._guard.wait(h.work, f"the allreduce of {what}", it)
                 results.append(h.work.result()[0])
@@ -619,6 +633,9 @@ class Reducer(LayoutSupport, JoinSupport, StatusSupport, ResumeSupport):
         return results
 
     def _unpack_all(self, results: list, global_used) -> None:
+        if self._shards is not None:
+            self._finish_shards(results, global_used)
+            return
         for b, result in enumerate(results):
             params = self._bucket_params[b]
             targets = (self._every_target[b] if global_used is None
