@@ -28,7 +28,7 @@ read = elements x source element size and written = elements x destination eleme
 
     python perf/bench_pack.py                 # CPU: 1 thread (the table) and 2 threads
     python perf/bench_pack.py --rounds 9      # quicker
-    python perf/update_readme.py pack         # copy perf/results/pack.md into the README
+    python perf/update_readme.py pack         # copy perf/results/pack.md into docs/benchmarks.md
 
 On a CUDA machine it also times the Triton kernels with ``triton.testing.do_bench``.
 """

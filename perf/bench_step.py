@@ -222,7 +222,7 @@ def table(results: list[dict], meta: dict | None = None) -> str:
                 ratio = res["median_s"][v] / res["median_s"][_ref(v)]
                 verdicts.append(f"{model} {v} <= {limit:.2f}x {_ref(v)}: {ratio:.2f}x, "
                                 f"{'met' if ratio <= limit else 'NOT met'}")
-    lines.append("Targets (issues 4 and 5): " + "; ".join(verdicts) + ".")
+    lines.append("Targets: " + "; ".join(verdicts) + ".")
     return "\n".join(lines)
 
 

@@ -1,16 +1,21 @@
-"""Copy the benchmark tables from perf/results/*.md into README.md.
+"""Write the benchmark tables from perf/results/ into README.md and docs/*.md.
 
 Every benchmark writes ``perf/results/<name>.json`` (the figures), ``<name>.png`` (a plot)
-and ``<name>.md`` (a markdown table made from the JSON). The README holds each table
-between ``<!-- perf:<name> -->`` and ``<!-- /perf:<name> -->``; this script replaces what
-is between the markers with the file, so no figure in the README is typed by hand.
+and ``<name>.md`` (a markdown table made from the JSON). A page holds a table between
+``<!-- perf:<name> -->`` and ``<!-- /perf:<name> -->``; this script replaces what is between
+the markers, so no figure in the README or the docs is typed by hand:
 
-    python perf/update_readme.py          # all tables
+* ``<name>`` of a results file: the file ``perf/results/<name>.md``;
+* ``headline``: one table of the key figures, built here from the JSON files
+  (:func:`headline`), each with the baseline measured in the same run.
+
+    python perf/update_readme.py          # all tables, all pages
     python perf/update_readme.py pack     # just one
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import sys
@@ -18,24 +23,124 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "perf" / "results"
 
+__all__ = ["pages", "headline", "fill", "update"]
+
+_MARKER = re.compile(r"(<!-- perf:([\w-]+) -->\n).*?(<!-- /perf:\2 -->)", re.S)
+# Result files written before the benchmarks stopped naming the project's issues.
+_ISSUE_REF = re.compile(r" ?\(issues? \d+(?: and \d+)?\)|issues? \d+(?: and \d+)?, ")
+
+
+def pages() -> list[pathlib.Path]:
+    """The pages that may hold tables: the README and every docs/ page."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _headline_rows() -> list[tuple[str, str, str, str]]:
+    rows = []
+    if (RESULTS / "step.json").exists():
+        step = _load("step")
+        for r in step["results"]:
+            med = r["median_s"]
+            what = f"training step, {r['model']} ({r['params'] / 1e6:.1f} M params), 2 ranks"
+            rows.append((what, _ms(med["tribucket"]), f"DDP {_ms(med['DDP'])}",
+                         f"{med['tribucket'] / med['DDP']:.2f}x the time"))
+        big = max(step["results"], key=lambda r: r["params"])
+        b = big["bucket_bytes"]
+        rows.append((f"gradient bucket memory with fp16 compression, {big['model']}",
+                     f"{b['tribucket fp16'] / 2**20:.1f} MiB",
+                     f"DDP + `fp16_compress_hook` {b['DDP fp16'] / 2**20:.1f} MiB",
+                     f"{b['tribucket fp16'] / b['DDP fp16']:.2f}x the memory"))
+    if (RESULTS / "pack.json").exists():
+        pack = _load("pack")
+        rows_1t = next(c for c in pack["cpu"] if c["threads"] == 1)["rows"]
+        sel = {r["variant"]: r for r in rows_1t
+               if r["case"].startswith("1000 x 1K") and r["op"] == "pack x1/2"}
+        if "tribucket" in sel and "mul(out=) loop" in sel:
+            t, m = sel["tribucket"]["gbps"], sel["mul(out=) loop"]["gbps"]
+            rows.append(("pack 1,000 gradients of 1K elements with the 1/world scale",
+                         f"{t:.1f} GB/s", f"per-tensor `torch.mul(out=)` {m:.1f} GB/s",
+                         f"{t / m:.1f}x the speed"))
+    if (RESULTS / "moe.json").exists():
+        res = {r["variant"]: r for r in _load("moe")["results"]}
+        t, n = res["MoELayer"]["tokens_per_s"], res["naive dense"]["tokens_per_s"]
+        rows.append(("MoE layer forward+backward, 8 experts, top-2, 2 ranks",
+                     f"{t:,.0f} tokens/s", f"all-gather + dense experts {n:,.0f} tokens/s",
+                     f"{t / n:.1f}x the speed"))
+    if (RESULTS / "moe_schedule.json").exists():
+        res = {r["variant"].split(" (")[0]: r
+               for r in _load("moe_schedule")["summary"]["2"]["skewed"]["results"]}
+        shadow = next((v for k, v in res.items() if "shadows" in k), None)
+        if shadow is not None:
+            a = res["alltoall"]["tokens_per_s"]
+            rows.append(("MoE with FasterMoE shadow experts, skewed routing, 2 ranks",
+                         f"{shadow['tokens_per_s']:,.0f} tokens/s", f"all-to-all {a:,.0f} tokens/s",
+                         f"{shadow['tokens_per_s'] / a:.1f}x the speed"))
+    return rows
+
+
+def headline() -> str:
+    """The README's headline table, built from the JSON files of perf/results/."""
+    rows = _headline_rows()
+    lines = ["| measured | tribucket | baseline, same run | ratio |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    loads = []
+    for name, get in (("step", lambda d: d["meta"]["loadavg"][0]),
+                      ("pack", lambda d: d["loadavg_before"][0]),
+                      ("moe", lambda d: d["machine"]["load_avg_1min"]["before"])):
+        if (RESULTS / f"{name}.json").exists():
+            loads.append(get(_load(name)))
+    note = ("2-core x86_64 CPU, gloo, one thread per rank, torch 2.13.0+cpu; the machine was "
+            "shared with other jobs")
+    if loads:
+        note += f" (1-min load average {min(loads):.1f} to {max(loads):.1f} at the starts)"
+    return "\n".join(lines) + f"\n\n{note}. Details and analysis: [docs/benchmarks.md](docs/benchmarks.md).\n"
+
+
+def _body(name: str) -> str | None:
+    if name == "headline":
+        return headline()
+    md = RESULTS / f"{name}.md"
+    if not md.exists():
+        return None
+    return _ISSUE_REF.sub("", md.read_text()).rstrip("\n") + "\n"
+
+
+def fill(text: str, names: list[str] | None = None) -> tuple[str, list[str]]:
+    """``text`` with the tables between its markers rewritten, and the names written."""
+    written = []
+
+    def one(m: re.Match) -> str:
+        name = m.group(2)
+        body = _body(name) if not names or name in names else None
+        if body is None:
+            return m.group(0)
+        written.append(name)
+        return m.group(1) + body + m.group(3)
+
+    return _MARKER.sub(one, text), written
+
 
 def update(names: list[str] | None = None) -> list[str]:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    done = []
+    """Fill every marker pair of every page; return ``page:name`` for each table written."""
+    done, seen = [], set()
+    for page in pages():
+        text = page.read_text()
+        new, written = fill(text, names)
+        if new != text:
+            page.write_text(new)
+        seen.update(written)
+        done += [f"{page.relative_to(ROOT)}:{name}" for name in written]
     for md in sorted(RESULTS.glob("*.md")):
-        name = md.stem
-        if names and name not in names:
-            continue
-        pattern = re.compile(rf"(<!-- perf:{re.escape(name)} -->\n).*?(<!-- /perf:{re.escape(name)} -->)",
-                             re.S)
-        if not pattern.search(text):
-            print(f"README.md has no <!-- perf:{name} --> markers; skipped", file=sys.stderr)
-            continue
-        body = md.read_text().rstrip("\n") + "\n"
-        text = pattern.sub(lambda m: m.group(1) + body + m.group(2), text)
-        done.append(name)
-    readme.write_text(text)
+        if md.stem not in seen and (not names or md.stem in names):
+            print(f"no page has <!-- perf:{md.stem} --> markers; skipped", file=sys.stderr)
     return done
 
 

@@ -142,7 +142,7 @@ def test_check_layout_reports_violation_in_words():
 
 @given(tensor_spec_lists(max_size=10), st.integers(1, 4096))
 def test_model_style_property(specs, cap):
-    """The README's recipe for users: property-test the layouts of your own tensors."""
+    """The recipe of docs/layouts.md for users: property-test the layouts of your own tensors."""
     layout = compute_layout(specs, bucket_cap_bytes=cap)
     check_layout(layout, specs, bucket_cap_bytes=cap)
 

@@ -2,7 +2,7 @@
 
 Triton kernels do the memory work (``tribucket.kernels``), ``torch.distributed`` does the
 communication, and a Python reducer (``fused_bucketing``) and an MoE dispatcher
-(``tribucket.moe``) orchestrate them. See the README for the user guide.
+(``tribucket.moe``) orchestrate them. See the README and docs/ for the user guide.
 """
 
 from __future__ import annotations

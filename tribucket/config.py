@@ -53,8 +53,8 @@ class ReducerConfig:
     #: each launched as soon as its gradients are in (CPU, where gradients are packed as
     #: they arrive), so communication overlaps the rest of backward; hooks still see whole,
     #: DDP-equal buckets. ``None`` or ``0``: off, the default: on the 2-core test machine
-    #: chunking moved communication into backward and the step was mostly longer (README,
-    #: Data parallel, Speed); try it where the communication threads have cores of their own.
+    #: chunking moved communication into backward and the step was mostly longer
+    #: (docs/benchmarks.md); try it where the communication threads have cores of their own.
     #: Applies to the default allreduce and tribucket's allreduce/fp16/bf16 hooks
     comm_chunk_mb: float | None = None
     #: reduce-scatter each bucket instead of allreducing it: every rank keeps only its
@@ -63,7 +63,7 @@ class ReducerConfig:
     #: first iteration on and never rebuilt (the optimizer's shards follow them)
     shard_optimizer: bool = False
     #: a collective that takes longer than this fails instead of hanging (``None``: the
-    #: process group's own timeout); see the README's Reliability section
+    #: process group's own timeout); see docs/reliability.md
     timeout: datetime.timedelta | None = None
     #: check each bucket across ranks before its collective and log per-bucket timings;
     #: also switched on by the environment variable ``TRIBUCKET_DEBUG=1``
