@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tribucket
@@ -103,18 +104,18 @@ class _MasterReference:
             p.grad = None
 
 
-def _step_both(opt, ref, mine, theirs, tol, step):
+def _step_both(opt, ref, mine, theirs, tol, step, check=True):
     """Step both optimizers; the parameters must agree."""
     opt.step()
     ref.step()
     opt.zero_grad()
     ref.zero_grad()
-    for (name, a), b in zip(mine.named_parameters(), theirs.parameters()):
+    for (name, a), b in zip(mine.named_parameters(), theirs.parameters() if check else []):
         torch.testing.assert_close(a, b, **tol, msg=lambda m: f"step {step} {name}: {m}")
 
 
 def _train(cls=torch.optim.AdamW, steps=10, bf16=False, branch=False, clip=0.0,
-           no_sync_every=0, opt_kw=None, cap=CAP):
+           no_sync_every=0, opt_kw=None, cap=CAP, overlap=False):
     """Train the same model with ShardedOptimizer and with DDP + ``cls``; compare each step.
     Returns the final parameters and some facts about the run."""
     rank = dist.get_rank()
@@ -126,16 +127,21 @@ def _train(cls=torch.optim.AdamW, steps=10, bf16=False, branch=False, clip=0.0,
     clipped = 0
     with tribucket.fused_bucketing(mine, shard_optimizer=True, bucket_cap_mb=cap,
                                    find_unused_parameters=branch) as reducer:
-        opt = ShardedOptimizer(reducer, cls, _groups(mine), **opt_kw)
+        opt = ShardedOptimizer(reducer, cls, _groups(mine), overlap_param_gather=overlap,
+                               **opt_kw)
         ref = _MasterReference(theirs, cls, _groups(theirs), **opt_kw)
         for step in range(steps):
             for micro in range(2 if no_sync_every and step % no_sync_every == 0 else 1):
                 local = micro == 0 and no_sync_every and step % no_sync_every == 0
                 x = _batch(rank, 10 * step + micro)
                 with reducer.no_sync() if local else contextlib.nullcontext():
-                    mine(x).square().mean().backward()
+                    loss = mine(x).square().mean()  # (overlap: waits for the parameters)
+                    loss.backward()
                 with ddp.no_sync() if local else contextlib.nullcontext():
-                    ddp(x).square().mean().backward()
+                    ref_loss = ddp(x).square().mean()
+                    ref_loss.backward()
+                torch.testing.assert_close(loss, ref_loss, **tol,
+                                           msg=lambda m: f"step {step} loss: {m}")
             assert all(p.grad is None for p in mine.parameters()), "a .grad was kept"
             if clip:
                 n_mine = opt.clip_grad_norm_(clip)
@@ -145,7 +151,11 @@ def _train(cls=torch.optim.AdamW, steps=10, bf16=False, branch=False, clip=0.0,
                 torch.testing.assert_close(n_mine, n_ref.float(), **tol,
                                            msg=lambda m: f"step {step} norm: {m}")
                 clipped += int(n_ref > clip)
-            _step_both(opt, ref, mine, theirs, tol, step)
+            # overlapped gathers: the parameters are complete only at the next forward
+            _step_both(opt, ref, mine, theirs, tol, step, check=not overlap)
+        opt.wait_parameters()
+        for (name, a), b in zip(mine.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"end {name}: {m}")
         return dict(params={n: p.detach().clone() for n, p in mine.named_parameters()},
                     clipped=clipped, buckets=len(reducer.layout.buckets))
 
@@ -160,6 +170,7 @@ CASES = [
     dict(cls=torch.optim.Adam, opt_kw=dict(lr=1e-2, amsgrad=True)),
     dict(cls=torch.optim.AdamW, bf16=True, clip=0.05),
     dict(cls=torch.optim.AdamW, branch=True, steps=12),
+    dict(cls=torch.optim.AdamW, overlap=True, no_sync_every=4),
 ]
 
 
@@ -330,15 +341,21 @@ def _misuse():
             reducer.register_comm_hook(None, tribucket.hooks.fp16_compress_hook)
         except ValueError as e:
             out.append(str(e))
+        try:
+            with Join([reducer]):
+                pass
+        except ValueError as e:
+            out.append(str(e))
     return out
 
 
 def test_misuse_errors(dist_run):
     msgs = dist_run(_misuse, world_size=2)[0]
-    assert len(msgs) == 3, msgs
+    assert len(msgs) == 4, msgs
     assert "shard_optimizer=True" in msgs[0]
     assert "(2, 2)" in msgs[1] and "separate torch optimizer" in msgs[1]
     assert "fp16_compress_hook" in msgs[2]
+    assert "Join" in msgs[3] and "shard_optimizer=True" in msgs[3]
 
 
 def test_shard_bookkeeping():

@@ -28,6 +28,11 @@ class JoinSupport(Joinable):
         ``divide_by_initial_world_size`` (default ``True``, as DDP): divide gradients by the
         initial world size; ``False`` divides by the number of ranks still training.
         """
+        if self.config.shard_optimizer:
+            raise ValueError("Join (uneven inputs) is not supported with shard_optimizer=True: "
+                             "a rank out of inputs would also have to shadow the sharded "
+                             "optimizer's all-gathers; give every rank the same number of "
+                             "batches (e.g. a DistributedSampler with drop_last=True)")
         return _ReducerJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property

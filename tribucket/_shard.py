@@ -24,6 +24,11 @@ from .layout import BucketLayout
 
 __all__ = ["SHARD_ALIGN", "Piece", "BucketShard", "shard_buckets"]
 
+# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or \
+    dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 #: elements per shard are a multiple of this: 256 bytes of fp32, so a shard and each
 #: rank's slice of the padded bucket start on an address any kernel can vectorise over
 SHARD_ALIGN = 64
@@ -109,14 +114,14 @@ class ShardSupport:
     (it supplies the state used here: layout, memory, guard, parameters).
 
     What is kept: the full bucket buffer exists only from the bucket's first gradient until
-    its reduce-scatter has completed (``_RELEASE_LAG`` buckets later, or the end of
-    backward); each parameter's ``.grad`` is released as soon as it is copied into the
+    its reduce-scatter has completed (waited for when the next bucket is launched, or at
+    the end of backward); each parameter's ``.grad`` is released as soon as it is copied into the
     bucket; what stays is this rank's averaged shard of every bucket (``grad_shards``).
     """
 
     #: wait for (and free the full buffer of) bucket ``b - _RELEASE_LAG`` when bucket ``b``
     #: is launched: at most this many full buckets (plus the one being filled) are alive
-    _RELEASE_LAG = 2
+    _RELEASE_LAG = 1
 
     def _init_shards(self) -> None:
         if not self.config.shard_optimizer:
@@ -186,7 +191,7 @@ class ShardSupport:
             out.copy_(buf)
             work = None
         else:
-            work = dist.reduce_scatter_single(out, buf, group=self._guard.group,
+            work = reduce_scatter_single(out, buf, group=self._guard.group,
                                               async_op=True)
         p.handles[b] = _ShardWork(work, out)
         if b >= self._RELEASE_LAG:

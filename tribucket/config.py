@@ -17,6 +17,11 @@ DEFAULT_BUCKET_CAP_MB = 25
 #: torch DDP's first-bucket cap (``dist._DEFAULT_FIRST_BUCKET_BYTES``), used only when
 #: ``bucket_cap_mb`` is left at its default: a small first bucket starts communication early
 DEFAULT_FIRST_BUCKET_CAP_MB = 1
+#: bucket cap under ``shard_optimizer=True`` when ``bucket_cap_mb`` is left unset: a bucket's
+#: full buffer is transient there (freed once reduce-scattered), so its size bounds the
+#: gradient memory in flight; 4 MiB kept the peak near 1/world of DDP's at 2 and 4 ranks
+#: and was also faster than 25 MiB buckets on gloo (docs/zero.md, perf/bench_zero.py)
+DEFAULT_SHARD_BUCKET_CAP_MB = 4
 
 
 def _positive_mb(name: str, value: Any) -> None:
@@ -33,6 +38,7 @@ class ReducerConfig:
     """Options of :class:`tribucket.Reducer` / :func:`tribucket.fused_bucketing`."""
 
     #: bucket cap in MiB (``int(mb * 2**20)`` bytes); ``None`` means DDP's default, 25 MiB
+    #: (4 MiB with ``shard_optimizer=True``, see DEFAULT_SHARD_BUCKET_CAP_MB)
     bucket_cap_mb: float | None = None
     #: cap of the first bucket of each (dtype, device) after the rebuild; ``None`` means
     #: 1 MiB when ``bucket_cap_mb`` is ``None``, else ``bucket_cap_mb`` (torch DDP 2.x)
@@ -95,7 +101,9 @@ class ReducerConfig:
 
     @property
     def bucket_cap_bytes(self) -> int:
-        mb = DEFAULT_BUCKET_CAP_MB if self.bucket_cap_mb is None else self.bucket_cap_mb
+        mb = self.bucket_cap_mb
+        if mb is None:
+            mb = DEFAULT_SHARD_BUCKET_CAP_MB if self.shard_optimizer else DEFAULT_BUCKET_CAP_MB
         return int(mb * MiB)
 
     @property

@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from ._shard import all_gather_single
+
 __all__ = ["ShardedOptimizer", "ELEMENTWISE_OPTIMIZERS", "merge_sharded_state_dicts"]
 
 #: torch optimizers whose update is elementwise (each element's new value depends only on
@@ -118,6 +120,11 @@ class ShardedOptimizer:
             model's parameters). Frozen parameters are skipped, as torch's optimizers skip
             parameters without gradient.
         assume_elementwise: accept an optimizer class outside ``ELEMENTWISE_OPTIMIZERS``.
+        overlap_param_gather: return from ``step()`` with the all-gathers in flight; each
+            module waits for the buckets of its own parameters in a forward pre-hook, so the
+            gathers overlap the next forward. A forward that reads parameters of a module it
+            does not call, or any other read of the parameters, must call
+            :meth:`wait_parameters` first.
         **defaults: the optimizer's options (``lr``, ``weight_decay``...).
 
     Between ``backward`` and ``step`` the parameters have no ``.grad``: the averaged
@@ -126,7 +133,8 @@ class ShardedOptimizer:
     """
 
     def __init__(self, reducer, optimizer_class: type, params: Iterable | None = None, *,
-                 assume_elementwise: bool = False, **defaults: Any):
+                 assume_elementwise: bool = False, overlap_param_gather: bool = False,
+                 **defaults: Any):
         _check_optimizer_class(optimizer_class, assume_elementwise)
         shards = reducer.shards  # raises unless the reducer shards
         self.reducer = reducer
@@ -176,6 +184,32 @@ class ShardedOptimizer:
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"},
                                  "params": tensors})
         self.optim = optimizer_class(inner_groups, **defaults)
+        self._gathers: list = [None] * len(self._flat)  # per bucket: all-gather in flight
+        self._overlap = bool(overlap_param_gather)
+        self._hooks = self._wait_hooks(module, averaged) if self._overlap else []
+
+    def _wait_hooks(self, module, averaged: list) -> list:
+        """A forward pre-hook on every module holding parameters: wait for their buckets."""
+        bucket_of = {id(averaged[i]): b for b, bucket in enumerate(self.reducer.layout.buckets)
+                     for i in bucket.indices}
+        handles = []
+        for m in module.modules():
+            buckets = sorted({bucket_of[id(q)] for q in m.parameters(recurse=False)
+                              if id(q) in bucket_of})
+            if buckets:
+                handles.append(m.register_forward_pre_hook(
+                    lambda _m, _args, bs=tuple(buckets): self._wait(bs)))
+        return handles
+
+    def _wait(self, buckets) -> None:
+        for b in buckets:
+            work, self._gathers[b] = self._gathers[b], None
+            if work is not None:
+                work.wait()
+
+    def wait_parameters(self) -> None:
+        """Wait for the parameters' all-gathers (``overlap_param_gather=True``)."""
+        self._wait(range(len(self._gathers)))
 
     def _build(self, shards, where: dict, averaged: list):
         """Flat parameter buffers per bucket (parameters become views), master shards, and
@@ -250,6 +284,7 @@ class ShardedOptimizer:
     def step(self, closure: Callable | None = None):
         """Step this rank's shards, then all-gather the parameters (one collective per
         bucket). Call on every rank."""
+        self.wait_parameters()  # a step before the next forward: the last gathers are done
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -275,15 +310,16 @@ class ShardedOptimizer:
                 if master.data_ptr() != flat.data_ptr():
                     flat.narrow(0, 0, master.numel()).copy_(master)
             return
-        works = []
-        for shard, flat, master in zip(self.reducer.shards, self._flat, self._master):
-            mine = flat.narrow(0, shard.lo, shard.shard_numel)
+        shards = self.reducer.shards
+        # the last bucket holds the first layers: gathered first, needed first
+        for b in reversed(range(len(shards))):
+            flat, master = self._flat[b], self._master[b]
+            mine = flat.narrow(0, shards[b].lo, shards[b].shard_numel)
             if master.data_ptr() != mine.data_ptr():
                 mine.copy_(master)  # one rounding of the fp32 master to the parameter dtype
-            works.append(dist.all_gather_single(flat, mine, group=self._group,
-                                                async_op=True))
-        for w in works:
-            w.wait()
+            self._gathers[b] = all_gather_single(flat, mine, group=self._group, async_op=True)
+        if not self._overlap:
+            self.wait_parameters()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -320,6 +356,7 @@ class ShardedOptimizer:
         """This rank's part of the optimizer state (no communication): save one per rank,
         load it with :meth:`load_sharded_state_dict` at the same world size, or merge all
         ranks' with :func:`merge_sharded_state_dicts`."""
+        self.wait_parameters()
         return {
             "format": _FORMAT,
             "world_size": self._world,
@@ -334,6 +371,7 @@ class ShardedOptimizer:
 
     def load_sharded_state_dict(self, state: dict) -> None:
         """Load what :meth:`sharded_state_dict` saved on this rank."""
+        self.wait_parameters()
         _check_format(state)
         if state["world_size"] != self._world:
             raise ValueError(
@@ -368,6 +406,7 @@ class ShardedOptimizer:
     def load_state_dict(self, state: dict) -> None:
         """Load a whole-model state (from :meth:`state_dict` at any world size, or from a
         torch optimizer of the same class over the same param groups)."""
+        self.wait_parameters()
         saved_groups = state.get("param_groups")
         if not isinstance(saved_groups, list) or "state" not in state:
             raise ValueError("expected a torch optimizer state dict with 'state' and "
