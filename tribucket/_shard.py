@@ -132,6 +132,11 @@ class ShardSupport:
             raise ValueError(f"shard_optimizer=True does not support sparse gradients "
                              f"(parameters {sparse} come from Embedding(sparse=True)); use "
                              "dense embeddings or ignore_parameters for them")
+        align = self._align_bytes()  # (GPU: 16 bytes) fixed now: the shards follow it
+        if align != self._layout.align_bytes:
+            encoded = self._layout.to_tensor().clone()
+            encoded[2] = align
+            self._layout = BucketLayout.from_tensor(encoded, self._params)
         self._shards = shard_buckets(self._layout, self.world_size, self.rank)
         self._grad_shards: list[torch.Tensor | None] = [None] * len(self._shards)
         self._shard_used: list[bool] | None = None
