@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tribucket-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test venv bench gpu-check clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,11 @@ bench: $(STAMP)
 	$(PY) perf/bench_pack.py
 	$(PY) perf/bench_step.py
 	$(PY) perf/bench_moe.py
+
+# Everything that needs a GPU (CUDA tests, pack benchmark with do_bench, NCCL step benchmark,
+# kernel report) into perf/results/gpu/; refuses with the reason on a machine without one.
+gpu-check: $(STAMP)
+	$(PY) perf/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -34,9 +34,12 @@ import torch
 
 from .moe_reference import (
     moe_counts_reference,
+    moe_permute_rows,
     moe_permute_reference,
     moe_unpermute_backward_reference,
+    moe_unpermute_backward_rows,
     moe_unpermute_reference,
+    moe_unpermute_rows,
 )
 
 try:
@@ -73,10 +76,13 @@ __all__ = [
 
 #: ids histogrammed per program: 1024 int64 ids = 8 KiB per load, a few atomics per E bins
 _COUNTS_BLOCK = 1024
-#: row elements per program: 512 fp32 = 2 KiB, i.e. 4 elements (one 128-bit access) per
-#: thread with 4 warps; rows longer than this take several programs (or loop iterations)
-_BLOCK_D = 512
+#: row bytes per program: 2 KiB = 16 bytes (one 128-bit access) per thread with 4 warps,
+#: i.e. 512 fp32 or 1024 bf16/fp16 elements; rows longer than this take several programs
+#: (or loop iterations)
+_BLOCK_D_BYTES = 2048
 _BACKENDS = ("auto", "triton", "reference")
+#: dtypes of the token rows the kernels move
+_ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------
@@ -106,6 +112,22 @@ def _counts_kernel(
 
 
 @triton.jit
+def _row_len(D, ALIGN: tl.constexpr):
+    """``D``, written so the compiler can see it is a multiple of ALIGN (``ALIGN > 1``: the
+    host checked that it is, and that every base pointer is 16-byte aligned).
+
+    Then every row starts on a 16-byte boundary and the row mask is constant over ALIGN
+    elements, so a thread's 16 contiguous bytes move as one ``ld/st.global.v4`` instead of
+    one access per element (the row index comes from a table, so nothing else tells the
+    compiler). ``D // ALIGN * ALIGN`` is exact given the host's check; a ``tl.multiple_of``
+    hint on D itself would be dropped (it is an argument, not a value computed here).
+    """
+    if ALIGN > 1:
+        D = D // ALIGN * ALIGN
+    return D
+
+
+@triton.jit
 def _permute_kernel(
     x_ptr,  # *dtype [T, D] (contiguous): token rows
     dest_ptr,  # *int64 [T, K]: destination row of each slot, -1 = dropped
@@ -113,6 +135,7 @@ def _permute_kernel(
     D,  # row length
     K: tl.constexpr,  # slots per token (top-k)
     BLOCK_D: tl.constexpr,  # row elements per program
+    ALIGN: tl.constexpr,  # 1, or the elements D is a multiple of (rows on 16-byte boundaries)
 ):
     """Copy token ``t``'s row to each of its ``K`` destinations (program ``(t, column block)``).
 
@@ -121,6 +144,7 @@ def _permute_kernel(
     """
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    D = _row_len(D, ALIGN)
     cmask = cols < D
     row = tl.load(x_ptr + t * D + cols, mask=cmask)
     for k in tl.static_range(K):
@@ -140,6 +164,7 @@ def _unpermute_kernel(
     K: tl.constexpr,  # slots per token (top-k)
     HAS_W: tl.constexpr,  # weight each slot (else weight 1)
     BLOCK_D: tl.constexpr,  # row elements per program
+    ALIGN: tl.constexpr,  # 1, or the elements D is a multiple of (rows on 16-byte boundaries)
 ):
     """``y[t] = sum_k w[t, k] * rows[dest[t, k]]``, accumulated in fp32 (program ``(t, block)``).
 
@@ -149,6 +174,7 @@ def _unpermute_kernel(
     """
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    D = _row_len(D, ALIGN)
     cmask = cols < D
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for k in tl.static_range(K):
@@ -173,6 +199,7 @@ def _unpermute_bwd_kernel(
     D,  # row length
     K: tl.constexpr,  # slots per token (top-k)
     BLOCK_D: tl.constexpr,  # row elements per loop iteration
+    ALIGN: tl.constexpr,  # 1, or the elements D is a multiple of (rows on 16-byte boundaries)
 ):
     """Both gradients of weighted unpermute, one program per token (loop over D).
 
@@ -184,6 +211,7 @@ def _unpermute_bwd_kernel(
     kept slot + K·4 per token.
     """
     t = tl.program_id(0).to(tl.int64)
+    D = _row_len(D, ALIGN)
     for k in tl.static_range(K):
         d = tl.load(dest_ptr + t * K + k)
         w = tl.load(w_ptr + t * K + k).to(tl.float32)
@@ -230,7 +258,7 @@ def _check_dest(dest_TK: torch.Tensor, num_tokens: int, device: torch.device) ->
 def _check_rows(name: str, t: torch.Tensor) -> None:
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D [rows, D], got shape {tuple(t.shape)}")
-    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if t.dtype not in _ROW_DTYPES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
 
 
@@ -239,6 +267,21 @@ def _check_weights(weights_TK: torch.Tensor | None, dest_TK: torch.Tensor) -> No
                                    or not weights_TK.is_floating_point()):
         raise ValueError(f"weights_TK must be floating point with dest_TK's shape "
                          f"{tuple(dest_TK.shape)}, got {weights_TK.dtype} {tuple(weights_TK.shape)}")
+
+
+def _block_d(dtype: torch.dtype) -> int:
+    """Row elements per program for rows of ``dtype``: 512 fp32, 1024 bf16/fp16."""
+    return _BLOCK_D_BYTES // dtype.itemsize
+
+
+def _row_align(D: int, *rows: torch.Tensor) -> int:
+    """``ALIGN`` for the row kernels: the elements of the narrowest dtype in 16 bytes when D
+    is a multiple of that and every row tensor starts on a 16-byte boundary (then so does
+    every row), else 1 (the scalar kernel). E.g. fp32 rows, D = 1000 -> 4; D = 1001 -> 1."""
+    vec = 16 // min(t.element_size() for t in rows)
+    if D % vec == 0 and all(t.data_ptr() % 16 == 0 for t in rows):
+        return vec
+    return 1
 
 
 def moe_counts(expert_ids: torch.Tensor, num_experts: int, *, backend: str = "auto") -> torch.Tensor:
@@ -271,7 +314,9 @@ def moe_permute(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, *,
     (T, D), K = x_TD.shape, dest_TK.shape[1]
     out_ND = x_TD.new_empty((num_rows, D))
     if T and D and K and num_rows:
-        _permute_kernel[(T, triton.cdiv(D, _BLOCK_D))](x_TD, dest_TK, out_ND, D, K=K, BLOCK_D=_BLOCK_D)
+        block_d = _block_d(x_TD.dtype)
+        _permute_kernel[(T, triton.cdiv(D, block_d))](
+            x_TD, dest_TK, out_ND, D, K=K, BLOCK_D=block_d, ALIGN=_row_align(D, x_TD, out_ND))
     return out_ND
 
 
@@ -292,8 +337,10 @@ def moe_unpermute(rows_ND: torch.Tensor, dest_TK: torch.Tensor,
     y_TD = rows_ND.new_empty((T, D))
     if T and D:
         w = weights_TK.contiguous() if weights_TK is not None else dest_TK  # dummy pointer
-        _unpermute_kernel[(T, triton.cdiv(D, _BLOCK_D))](
-            rows_ND, dest_TK, w, y_TD, D, K=K, HAS_W=weights_TK is not None, BLOCK_D=_BLOCK_D)
+        block_d = _block_d(rows_ND.dtype)
+        _unpermute_kernel[(T, triton.cdiv(D, block_d))](
+            rows_ND, dest_TK, w, y_TD, D, K=K, HAS_W=weights_TK is not None, BLOCK_D=block_d,
+            ALIGN=_row_align(D, rows_ND, y_TD))
     return y_TD
 
 
@@ -321,7 +368,8 @@ def moe_unpermute_backward(grad_y_TD: torch.Tensor, rows_ND: torch.Tensor, dest_
     grad_w_TK = torch.zeros_like(weights_TK)
     if T and K:
         _unpermute_bwd_kernel[(T,)](grad_y_TD, rows_ND, dest_TK, weights_TK, grad_rows_ND,
-                                    grad_w_TK, D, K=K, BLOCK_D=_BLOCK_D)
+                                    grad_w_TK, D, K=K, BLOCK_D=_block_d(rows_ND.dtype),
+                                    ALIGN=_row_align(D, grad_y_TD, rows_ND, grad_rows_ND))
     return grad_rows_ND, grad_w_TK
 
 
@@ -330,43 +378,71 @@ def moe_unpermute_backward(grad_y_TD: torch.Tensor, rows_ND: torch.Tensor, dest_
 # ---------------------------------------------------------------------------------------
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, dest_TK, num_rows, backend):
-        ctx.save_for_backward(dest_TK)
-        ctx.backend = backend
+    def forward(ctx, x_TD, dest_TK, num_rows, backend, slot_N):
+        by_rows = slot_N is not None and not _use_triton(backend, x_TD)
+        ctx.save_for_backward(slot_N if by_rows else dest_TK)
+        ctx.backend, ctx.by_rows, ctx.shape_TK = backend, by_rows, tuple(dest_TK.shape)
+        if by_rows:
+            _check_rows("x_TD", x_TD)
+            return moe_permute_rows(x_TD, slot_N, dest_TK.shape[1])
         return moe_permute(x_TD, dest_TK, num_rows, backend=backend)
 
     @staticmethod
     def backward(ctx, grad_out_ND):
-        (dest_TK,) = ctx.saved_tensors
+        (index,) = ctx.saved_tensors
         # every copy of token t sends its gradient back: an unweighted unpermute
-        grad_x_TD = moe_unpermute(grad_out_ND.contiguous(), dest_TK, None, backend=ctx.backend)
-        return grad_x_TD, None, None, None
+        if ctx.by_rows:
+            T, K = ctx.shape_TK
+            grad_x_TD = moe_unpermute_rows(grad_out_ND, index, K, T)
+        else:
+            grad_x_TD = moe_unpermute(grad_out_ND.contiguous(), index, None, backend=ctx.backend)
+        return grad_x_TD, None, None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows_ND, dest_TK, weights_TK, backend):
-        ctx.save_for_backward(rows_ND, dest_TK, weights_TK)
-        ctx.backend = backend
+    def forward(ctx, rows_ND, dest_TK, weights_TK, backend, slot_N):
+        by_rows = slot_N is not None and not _use_triton(backend, rows_ND)
+        ctx.save_for_backward(rows_ND, slot_N if by_rows else dest_TK, weights_TK)
+        ctx.backend, ctx.by_rows, ctx.shape_TK = backend, by_rows, tuple(dest_TK.shape)
+        if by_rows:
+            _check_rows("rows_ND", rows_ND)
+            _check_weights(weights_TK, dest_TK)
+            return moe_unpermute_rows(rows_ND, slot_N, dest_TK.shape[1], dest_TK.shape[0],
+                                      weights_TK)
         return moe_unpermute(rows_ND, dest_TK, weights_TK, backend=backend)
 
     @staticmethod
     def backward(ctx, grad_y_TD):
-        rows_ND, dest_TK, weights_TK = ctx.saved_tensors
-        grad_rows_ND, grad_w_TK = moe_unpermute_backward(
-            grad_y_TD, rows_ND, dest_TK, weights_TK, backend=ctx.backend)
+        rows_ND, index, weights_TK = ctx.saved_tensors
+        if ctx.by_rows:
+            grad_rows_ND, grad_w_TK = moe_unpermute_backward_rows(
+                grad_y_TD, rows_ND, index, ctx.shape_TK[1], weights_TK)
+        else:
+            grad_rows_ND, grad_w_TK = moe_unpermute_backward(
+                grad_y_TD, rows_ND, index, weights_TK, backend=ctx.backend)
         if not ctx.needs_input_grad[2]:
             grad_w_TK = None
-        return grad_rows_ND, None, grad_w_TK, None
+        return grad_rows_ND, None, grad_w_TK, None, None
 
 
 def permute_tokens(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, *,
-                   backend: str = "auto") -> torch.Tensor:
-    """Differentiable :func:`moe_permute`; gradients flow back to ``x_TD``."""
-    return _Permute.apply(x_TD, dest_TK, num_rows, backend)
+                   backend: str = "auto", slot_N: torch.Tensor | None = None) -> torch.Tensor:
+    """Differentiable :func:`moe_permute`; gradients flow back to ``x_TD``.
+
+    ``slot_N`` (optional, int64 ``[num_rows]``): the token-slot ``t * K + k`` that fills each
+    row, i.e. the inverse of ``dest_TK``, when the caller has it (the dispatcher gets it from
+    its sort). The PyTorch path then works by rows (:func:`moe_permute_rows`); the Triton
+    kernels ignore it.
+    """
+    return _Permute.apply(x_TD, dest_TK, num_rows, backend, slot_N)
 
 
 def unpermute_tokens(rows_ND: torch.Tensor, dest_TK: torch.Tensor,
-                     weights_TK: torch.Tensor | None = None, *, backend: str = "auto") -> torch.Tensor:
-    """Differentiable :func:`moe_unpermute`; gradients flow to ``rows_ND`` and ``weights_TK``."""
-    return _Unpermute.apply(rows_ND, dest_TK, weights_TK, backend)
+                     weights_TK: torch.Tensor | None = None, *, backend: str = "auto",
+                     slot_N: torch.Tensor | None = None) -> torch.Tensor:
+    """Differentiable :func:`moe_unpermute`; gradients flow to ``rows_ND`` and ``weights_TK``.
+
+    ``slot_N``: as in :func:`permute_tokens` (``rows_ND.shape[0]`` entries).
+    """
+    return _Unpermute.apply(rows_ND, dest_TK, weights_TK, backend, slot_N)

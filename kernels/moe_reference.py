@@ -23,6 +23,9 @@ __all__ = [
     "moe_permute_reference",
     "moe_unpermute_reference",
     "moe_unpermute_backward_reference",
+    "moe_permute_rows",
+    "moe_unpermute_rows",
+    "moe_unpermute_backward_rows",
 ]
 
 
@@ -109,3 +112,52 @@ def moe_unpermute_backward_reference(
     # <grad_y[t], rows[dest[t, k]]> for every slot at once: [T, K, D] @ [T, D, 1]
     dots_TK = torch.bmm(_gather_TKD(rows_ND, dest_TK), grad_y_TD.float().view(T, D, 1)).view(T, K)
     return grad_rows_ND, dots_TK.to(weights_TK.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# The CPU path by rows. The dispatcher knows, from its sort, which token-slot fills each
+# row (``slot_N``, the inverse of ``dest_TK``); given it, each op is one gather or one
+# index_add over the N rows, with no inverse to rebuild, no [T, K, D] staging copy and no
+# host sync on "were slots dropped?" (dropped slots are simply absent from ``slot_N``).
+# Same contracts as the functions above (tests check them against each other).
+# ---------------------------------------------------------------------------------------
+def moe_permute_rows(x_TD: torch.Tensor, slot_N: torch.Tensor, K: int) -> torch.Tensor:
+    """:func:`moe_permute_reference` given ``slot_N``: ``out_ND[n] = x_TD[slot_N[n] // K]``."""
+    return x_TD.index_select(0, torch.div(slot_N, K, rounding_mode="floor"))
+
+
+def moe_unpermute_rows(rows_ND: torch.Tensor, slot_N: torch.Tensor, K: int, num_tokens: int,
+                       weights_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`moe_unpermute_reference` given ``slot_N``: ``y[slot_N[n] // K] += w_N[n] · rows[n]``.
+
+    fp32 accumulation (one ``index_add_`` over the N rows); returns ``rows_ND.dtype``.
+    Example: K = 2, slot_N ``[0, 2, 1]`` (rows of slots 0, 2, 1), w ``[[.7, .3], [1., 0.]]``
+    -> ``y = [.7·r0 + .3·r2, 1·r1]``.
+    """
+    token_N = torch.div(slot_N, K, rounding_mode="floor")
+    src_ND = rows_ND if rows_ND.dtype == torch.float32 else rows_ND.float()
+    if weights_TK is not None:
+        src_ND = src_ND * weights_TK.reshape(-1).float().index_select(0, slot_N).unsqueeze(1)
+    y_TD = src_ND.new_zeros((num_tokens, rows_ND.shape[1])).index_add_(0, token_N, src_ND)
+    return y_TD.to(rows_ND.dtype)
+
+
+def moe_unpermute_backward_rows(
+    grad_y_TD: torch.Tensor, rows_ND: torch.Tensor, slot_N: torch.Tensor, K: int,
+    weights_TK: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`moe_unpermute_backward_reference` given ``slot_N``.
+
+    One gather of ``grad_y`` by row, then ``grad_rows = w_N · g_ND`` and the gate gradients
+    ``<g_ND[n], rows[n]>`` from that same gather (0 for dropped slots).
+    """
+    g_ND = grad_y_TD.index_select(0, torch.div(slot_N, K, rounding_mode="floor"))
+    if weights_TK is None:
+        return g_ND.to(rows_ND.dtype), None
+    g_ND = g_ND.float()
+    dots_N = torch.linalg.vecdot(g_ND, rows_ND.float())
+    grad_w_S = torch.zeros(weights_TK.numel(), dtype=torch.float32, device=slot_N.device)
+    grad_w_S.index_copy_(0, slot_N, dots_N)
+    w_N = weights_TK.reshape(-1).float().index_select(0, slot_N)
+    grad_rows_ND = g_ND.mul_(w_N.unsqueeze(1)).to(rows_ND.dtype)
+    return grad_rows_ND, grad_w_S.view(weights_TK.shape).to(weights_TK.dtype)

@@ -260,11 +260,17 @@ class _TorchPath:
         views = self._out_views(out)
         o = out.dtype
         c = compute_dtype(o, *dtypes)
-        if found_inf is None and dtypes == {o} and scale == 1.0:
+        if dtypes == {o} and scale == 1.0:
             # a copy: one cat per maximal run (cat copies with memcpy, which beats copy_
-            # when the destination is not 64-byte aligned, as bucket slots are not)
+            # when the destination is not 64-byte aligned, as bucket slots are not). It
+            # stays a copy with found_inf (a trip through the compute dtype would rewrite
+            # NaN payloads); the check then reads the packed pieces once more.
             for run, (v2, v1, _) in zip(self._runs, views.of(self._runs)):
                 _gather(run, run.get(tensors), v2, v1)
+            if found_inf is not None:
+                pieces = views.of(self._pieces)
+                sums = [v1.sum() for _, v1, _ in pieces] if self.device.type == "cpu" else []
+                self._flag_nonfinite(pieces, sums, found_inf)
             return
         if found_inf is None and dtypes == {o} == {c}:
             # a same-dtype scale: gather + mul_ per L2-sized group of small tensors, one

@@ -2,9 +2,13 @@
 
 * ``_pack_kernel`` / ``_unpack_kernel`` (``@triton.jit``): one program copies one block of
   one tensor; a block->tensor map tells it which, so a bucket of any number of tensors is a
-  single launch.
+  single launch. Each comes in two forms: ``ALIGN > 1`` when every address, size and
+  offset is a multiple of 16 bytes (128-bit global accesses), ``ALIGN = 1`` otherwise
+  (one access per element); ``_TritonTables.align`` picks one per launch.
 * ``_block_map`` and ``_TritonTables``: that map and the per-tensor tables, built once per
   layout (the pointer table is rebuilt only when the tensors' ``data_ptr()``s change).
+* ``_pack_variant`` / ``_unpack_variant``: which kernel dtypes and flags a call launches
+  (``kernels/machine_code.py`` enumerates the specializations from them).
 * ``_TritonPath``: ``BucketPlan``'s Triton methods (pick the kernel's dtypes, launch once per
   source dtype), mixed into the plan by ``kernels/pack.py``.
 
@@ -39,6 +43,9 @@ except Exception as e:  # noqa: BLE001 - a broken triton install must not break 
 #: one mostly-masked program. Tables are int64 so no index arithmetic overflows at 2**31.
 BLOCK = 4096
 _NUM_WARPS = 4
+#: Bytes of the widest global access (``ld/st.global.v4.b32``): the aligned kernels promise
+#: the compiler that every tensor and slice starts on a multiple of this.
+_VEC_BYTES = 16
 
 
 # ---------------------------------------------------------------------------------------
@@ -74,13 +81,29 @@ def _cast(v, DST: tl.constexpr):
 
 
 @_jit
-def _this_block(ptrs, sizes, offsets, block_tensor, block_start, BLOCK: tl.constexpr):
+def _this_block(ptrs, sizes, offsets, block_tensor, block_start, BLOCK: tl.constexpr,
+                ALIGN: tl.constexpr):
     """This program's element indices (int64, inside its tensor) and its tensor's size,
-    bucket offset and address: the block->tensor map lookup both kernels start with."""
+    bucket offset and address: the block->tensor map lookup both kernels start with.
+
+    With ``ALIGN > 1`` the host has checked that every size and offset is a multiple of
+    ALIGN elements and every address of 16 bytes (``_TritonTables.align``): the hints pass
+    that on to the compiler, the kernels add the one on the addresses, so that a thread's
+    16 contiguous bytes move as one ``ld/st.global.v4.b32`` instead of one access per
+    element. (A hint on a jit function's argument is dropped: it must sit on a value
+    computed in the function.) A block starts at a multiple of BLOCK inside its tensor
+    whatever ALIGN is.
+    """
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(block_tensor + pid).to(tl.int64)
-    idx = tl.load(block_start + pid) + tl.arange(0, BLOCK).to(tl.int64)
-    return idx, tl.load(sizes + t), tl.load(offsets + t), tl.load(ptrs + t)
+    start = tl.multiple_of(tl.load(block_start + pid), BLOCK)
+    idx = start + tl.arange(0, BLOCK).to(tl.int64)
+    n = tl.load(sizes + t)
+    off = tl.load(offsets + t)
+    if ALIGN > 1:
+        n = tl.multiple_of(n, ALIGN)
+        off = tl.multiple_of(off, ALIGN)
+    return idx, n, off, tl.load(ptrs + t)
 
 
 @_jit
@@ -98,6 +121,7 @@ def _pack_kernel(
     COPY: tl.constexpr,   # store the loaded bits unchanged (SRC == DST, scale 1)
     CHECK: tl.constexpr,  # update found_inf
     BLOCK: tl.constexpr,
+    ALIGN: tl.constexpr,  # 1, or the elements every size and offset is a multiple of (host-checked)
 ):
     """out[offsets[t] + i] = cast(src_t[i] * scale) for every tensor t, one block per program.
 
@@ -108,11 +132,15 @@ def _pack_kernel(
     Bytes: reads sum(n_t) * SRC bytes, writes sum(n_t) * DST bytes (+ 12 per program and
     24 per tensor of table reads).
     """
-    idx, n, dst_off, addr = _this_block(src_ptrs, sizes, offsets, block_tensor, block_start, BLOCK)
+    idx, n, dst_off, addr = _this_block(src_ptrs, sizes, offsets, block_tensor, block_start,
+                                        BLOCK, ALIGN)
     src = addr.to(tl.pointer_type(SRC))
     mask = idx < n
     present = idx < tl.where(addr != 0, n, 0)  # a null source reads as zeros
-    x = tl.load(src + idx, mask=present, other=0)
+    src_p = src + idx
+    if ALIGN > 1:  # an address loaded from a table carries no alignment the compiler sees
+        src_p = tl.multiple_of(src_p, 16)  # _VEC_BYTES
+    x = tl.load(src_p, mask=present, other=0)
     if COPY:
         y = x
     else:
@@ -141,6 +169,7 @@ def _unpack_kernel(
     COPY: tl.constexpr,        # store the loaded bits unchanged (BUF == DST, scale 1)
     ACCUMULATE: tl.constexpr,  # dst = cast(dst + buffer * scale) instead of cast(buffer * scale)
     BLOCK: tl.constexpr,
+    ALIGN: tl.constexpr,  # 1, or the elements every size and offset is a multiple of (host-checked)
 ):
     """dst_t[i] = cast(buffer[offsets[t] + i] * scale) (+ dst_t[i] if ACCUMULATE).
 
@@ -150,8 +179,11 @@ def _unpack_kernel(
     Bytes: reads sum(n_t) * BUF bytes (+ sum(n_t) * DST if ACCUMULATE), writes
     sum(n_t) * DST bytes.
     """
-    idx, n, src_off, addr = _this_block(dst_ptrs, sizes, offsets, block_tensor, block_start, BLOCK)
-    dst = addr.to(tl.pointer_type(DST))
+    idx, n, src_off, addr = _this_block(dst_ptrs, sizes, offsets, block_tensor, block_start,
+                                        BLOCK, ALIGN)
+    dst = addr.to(tl.pointer_type(DST)) + idx
+    if ALIGN > 1:  # (see _pack_kernel)
+        dst = tl.multiple_of(dst, 16)  # _VEC_BYTES
     mask = idx < tl.where(addr != 0, n, 0)  # a null destination is skipped
     x = tl.load(buffer + src_off + idx, mask=mask, other=0)
     if COPY:
@@ -160,9 +192,9 @@ def _unpack_kernel(
         v = x.to(tl.float32) * scale
         if ACCUMULATE:
             # the product is rounded to fp32 before the add (enable_fp_fusion=False below)
-            v = tl.load(dst + idx, mask=mask, other=0).to(tl.float32) + v
+            v = tl.load(dst, mask=mask, other=0).to(tl.float32) + v
         y = _cast(v, DST)
-    tl.store(dst + idx, y, mask=mask)
+    tl.store(dst, y, mask=mask)
 
 
 def _interpreting_kernels() -> bool:
@@ -194,8 +226,12 @@ class _TritonTables:
         self.idx = idx
         self.getter = _getter(idx)
         sz = [sizes[i] for i in idx]
+        off = [offsets[i] for i in idx]
         self.sizes = torch.tensor(sz, dtype=torch.int64, device=device)
-        self.offsets = torch.tensor([offsets[i] for i in idx], dtype=torch.int64, device=device)
+        self.offsets = torch.tensor(off, dtype=torch.int64, device=device)
+        # the vector widths (in elements) every size and offset allows: 2, 4, 8, 16 or none
+        self._aligns = {v for v in (2, 4, 8, 16)
+                        if all(x % v == 0 for x in sz) and all(x % v == 0 for x in off)}
         bt, bs = _block_map(sz, BLOCK)
         self.block_tensor = bt.to(device)
         self.block_start = bs.to(device)
@@ -203,6 +239,7 @@ class _TritonTables:
         self.device = device
         self._ptr_key: tuple[int, ...] | None = None
         self._ptrs: torch.Tensor | None = None
+        self._ptrs_aligned = False  # every data_ptr() in _ptr_key is a multiple of 16
 
     def pointers(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """The int64 pointer table, rebuilt only when the data_ptr()s change."""
@@ -213,7 +250,23 @@ class _TritonTables:
                 host = host.pin_memory()
             self._ptrs = host.to(self.device, non_blocking=True)
             self._ptr_key = key
+            self._ptrs_aligned = all(p % _VEC_BYTES == 0 for p in key)
         return self._ptrs
+
+    def align(self, buf: torch.Tensor, elem_bytes: int) -> int:
+        """``ALIGN`` for a launch on the pointers last returned by ``pointers()``.
+
+        ``16 // elem_bytes`` (elements of the narrower of the two dtypes in 16 bytes) when
+        ``buf`` and every tensor start on a 16-byte boundary and every size and offset is a
+        multiple of that many elements, so every thread's 16 contiguous bytes can move as
+        one access; 1 (the scalar kernel) otherwise. E.g. fp32 sizes [1024, 12] at offsets
+        [0, 1024] -> 4; sizes [1024, 10] -> 1.
+        """
+        vec = _VEC_BYTES // elem_bytes
+        if (vec in self._aligns and self._ptrs_aligned
+                and buf.data_ptr() % _VEC_BYTES == 0):
+            return vec
+        return 1
 
 
 _TL_DTYPES: dict = {}
@@ -231,6 +284,40 @@ _TRITON_ARITH = (torch.float32, torch.float16, torch.bfloat16)
 # ---------------------------------------------------------------------------------------
 # Launches
 # ---------------------------------------------------------------------------------------
+def _pack_variant(src: torch.dtype, out: torch.dtype, copy: bool, check: bool):
+    """How ``_pack_kernel`` packs ``src`` tensors into an ``out`` buffer:
+    ``(view out as, SRC, DST, COPY)`` in torch dtypes, or None for the torch path.
+
+    ``copy``: same dtype and scale 1; ``check``: found_inf is given. A copy moves the bits
+    as the signed integer of the element's size (any dtype of 1-8 bytes), unless it must
+    look at the values for inf/NaN. E.g. (bfloat16, bfloat16, copy, no check) ->
+    (int16, int16, int16, True). ``kernels/machine_code.py`` enumerates the kernel
+    specializations the launches can produce from this function.
+    """
+    check = check and out.is_floating_point  # an integer buffer holds no inf/NaN
+    if copy and not (check and out in _TL_DTYPES):
+        bits = _BITS.get(out.itemsize)
+        return None if bits is None else (bits, bits, bits, True)
+    if copy:  # a float copy that checks for inf/NaN: load the real dtype
+        return (out, out, out, True)
+    if src in _TRITON_ARITH and out in _TRITON_ARITH:
+        return (out, src, out, False)
+    return None
+
+
+def _unpack_variant(dst: torch.dtype, buf: torch.dtype, copy: bool):
+    """How ``_unpack_kernel`` unpacks a ``buf`` buffer into ``dst`` tensors:
+    ``(view buffer as, DST, COPY)`` in torch dtypes, or None for the torch path.
+    E.g. (float32, float32, copy) -> (int32, int32, True); (float16, float32) ->
+    (float32, float16, False)."""
+    if copy:
+        bits = _BITS.get(buf.itemsize)
+        return None if bits is None else (bits, bits, True)
+    if dst in _TRITON_ARITH and buf in _TRITON_ARITH:
+        return (buf, dst, False)
+    return None
+
+
 class _TritonPath:
     """``BucketPlan``'s Triton path, mixed into the plan (``kernels/pack.py``).
 
@@ -261,31 +348,25 @@ class _TritonPath:
 
     def _pack_triton(self, tensors, out, scale, found_inf, dtypes) -> bool:
         o = out.dtype
-        groups = self._dtype_groups(tensors, dtypes)
         launches = []
-        for s, tab in groups:
+        for s, tab in self._dtype_groups(tensors, dtypes):
             s = o if s is None else s
-            copy = s == o and scale == 1.0
-            if copy and (found_inf is None or o not in _TL_DTYPES):
-                if out.element_size() not in _BITS:
-                    return False  # e.g. complex128: the torch path copies it
-                bits = _BITS[out.element_size()]
-                args = (out.view(bits), _TL_DTYPES[bits], _TL_DTYPES[bits], True)
-            elif copy:  # a float copy that checks for inf/NaN: load the real dtype
-                args = (out, _TL_DTYPES[o], _TL_DTYPES[o], True)
-            elif s in _TRITON_ARITH and o in _TRITON_ARITH:
-                args = (out, _TL_DTYPES[s], _TL_DTYPES[o], False)
-            else:
-                return False  # float64 arithmetic: the torch path
-            launches.append((tab, *args))
-        for tab, dst, src_t, dst_t, copy in launches:
+            v = _pack_variant(s, o, s == o and scale == 1.0, found_inf is not None)
+            if v is None:
+                return False  # float64 arithmetic, 16-byte copies: the torch path
+            view, src_t, dst_t, copy = v
+            launches.append((tab, min(src_t.itemsize, dst_t.itemsize), out.view(view),
+                             _TL_DTYPES[src_t], _TL_DTYPES[dst_t], copy))
+        for tab, elem_bytes, dst, src_t, dst_t, copy in launches:
             if tab.nblocks == 0:
                 continue
+            ptrs = tab.pointers(tensors)
             _pack_kernel[(tab.nblocks,)](
-                tab.pointers(tensors), tab.sizes, tab.offsets, tab.block_tensor,
+                ptrs, tab.sizes, tab.offsets, tab.block_tensor,
                 tab.block_start, dst, tab.sizes if found_inf is None else found_inf, scale,
                 SRC=src_t, DST=dst_t, COPY=copy, CHECK=found_inf is not None,
-                BLOCK=BLOCK, num_warps=_NUM_WARPS, enable_fp_fusion=False)
+                BLOCK=BLOCK, ALIGN=tab.align(out, elem_bytes), num_warps=_NUM_WARPS,
+                enable_fp_fusion=False)
         return True
 
     def _unpack_triton(self, buffer, tensors, scale, accumulate, dtypes) -> bool:
@@ -294,22 +375,19 @@ class _TritonPath:
         for d, tab in self._dtype_groups(tensors, dtypes):
             if d is None:
                 continue  # nothing but None tensors: nothing to write
-            copy = d == b and scale == 1.0 and not accumulate
-            if copy:
-                if buffer.element_size() not in _BITS:
-                    return False
-                bits = _BITS[buffer.element_size()]
-                args = (buffer.view(bits), _TL_DTYPES[bits], True)
-            elif d in _TRITON_ARITH and b in _TRITON_ARITH:
-                args = (buffer, _TL_DTYPES[d], False)
-            else:
+            v = _unpack_variant(d, b, d == b and scale == 1.0 and not accumulate)
+            if v is None:
                 return False
-            launches.append((tab, *args))
-        for tab, buf, dst_t, copy in launches:
+            view, dst_t, copy = v
+            launches.append((tab, min(view.itemsize, dst_t.itemsize), buffer.view(view),
+                             _TL_DTYPES[dst_t], copy))
+        for tab, elem_bytes, buf, dst_t, copy in launches:
             if tab.nblocks == 0:
                 continue
+            ptrs = tab.pointers(tensors)
             _unpack_kernel[(tab.nblocks,)](
-                tab.pointers(tensors), tab.sizes, tab.offsets, tab.block_tensor,
+                ptrs, tab.sizes, tab.offsets, tab.block_tensor,
                 tab.block_start, buf, scale, DST=dst_t, COPY=copy, ACCUMULATE=accumulate,
-                BLOCK=BLOCK, num_warps=_NUM_WARPS, enable_fp_fusion=False)
+                BLOCK=BLOCK, ALIGN=tab.align(buffer, elem_bytes), num_warps=_NUM_WARPS,
+                enable_fp_fusion=False)
         return True

@@ -36,10 +36,16 @@ blocked in ``torch.distributed`` calls (collectives, and waits on point-to-point
 averaged over ranks and steps. 4 ranks oversubscribe a 2-core machine: those figures are
 reported but not judged.
 
-    python perf/bench_moe.py [--steps 7] [--warmup 1] [--tokens 4096] [--part all|baseline|schedule]
+``--part external`` compares MoELayer with the MoE layers users pick today, DeepSpeed's
+``deepspeed.moe.layer.MoE`` and torchtitan's ``MoE`` (optional: ``pip install
+'tribucket[bench]'``; a missing one is skipped with the reason in the table), at two sizes,
+dropless and with capacity factor 1.25 (see ``perf/_moe_baselines.py`` for how each is set
+up, and what is checked equal before timing).
 
-Writes perf/results/moe.json, moe.png and moe.md, and moe_schedule.json/.png/.md (copied into
-docs/benchmarks.md by ``python perf/update_readme.py``).
+    python perf/bench_moe.py [--steps 7] [--warmup 1] [--tokens 4096] [--part all|baseline|schedule|external]
+
+Writes perf/results/moe.json, moe.png and moe.md, moe_schedule.json/.png/.md and
+moe_external.json/.png/.md (copied into docs/ by ``python perf/update_readme.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ import platform
 import statistics
 import tempfile
 import time
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -59,8 +66,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 try:  # run as a script: perf/ is on sys.path
+    import _moe_baselines as external
     from _comm_clock import CommClock
 except ImportError:  # pragma: no cover - imported as perf.bench_moe
+    from perf import _moe_baselines as external
     from perf._comm_clock import CommClock
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -470,8 +479,17 @@ def _spawn(target, world: int, args) -> dict[int, tuple]:
         for proc in procs:
             proc.start()
         got = {}
-        for _ in range(world):
-            rank, *rest = queue.get(timeout=3600)
+        while len(got) < world:
+            try:
+                rank, *rest = queue.get(timeout=5)
+            except Empty:  # a rank that died (an exception) would leave us waiting forever
+                dead = [p.exitcode for p in procs if p.exitcode]
+                if dead:
+                    for proc in procs:
+                        proc.kill()
+                    raise SystemExit(f"a benchmark rank exited with code {dead[0]} (its "
+                                     "traceback is above)")
+                continue
             got[rank] = tuple(rest)
         for proc in procs:
             proc.join()
@@ -486,8 +504,12 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (T)")
-    p.add_argument("--part", choices=("all", "baseline", "schedule"), default="all",
-                   help="baseline: MoELayer vs naive (moe.*); schedule: issue 7's comparison")
+    p.add_argument("--part", choices=("all", "baseline", "schedule", "external"), default="all",
+                   help="baseline: MoELayer vs naive (moe.*); schedule: issue 7's comparison; "
+                        "external: vs DeepSpeed and torchtitan (moe_external.*)")
+    p.add_argument("--ext-steps", type=int, nargs=2, default=(15, 5), metavar=("DEMO", "WIDE"),
+                   help="external: measured steps at the demo size and the wide size")
+    p.add_argument("--ext-warmup", type=int, default=2)
     p.add_argument("--worlds", default="2,4", help="world sizes of the schedule comparison")
     p.add_argument("--results", default=str(ROOT / "perf" / "results"),
                    help="folder for the .json/.md/.png files (elsewhere for a smoke run)")
@@ -500,7 +522,39 @@ def main(argv=None) -> dict:
         out["baseline"] = _baseline(args)
     if args.part in ("all", "schedule"):
         out["schedule"] = _schedules(args)
+    if args.part in ("all", "external"):
+        out["external"] = _external(args)
     return out
+
+
+def _external(args) -> dict:
+    """MoELayer against DeepSpeed's and torchtitan's MoE: both sizes, dropless and cf 1.25."""
+    import copy
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before the ranks import deepspeed
+    load_before = os.getloadavg()[0]
+    runs = []
+    for size, n_steps in zip(external.SIZES, args.ext_steps):
+        for cf in (None, 1.25):
+            a = copy.copy(args)
+            a.ext_size, a.ext_capacity, a.ext_steps = size, cf, n_steps
+            load = os.getloadavg()[0]
+            got = _spawn(external.external_worker, W, a)[0][0]
+            runs.append(dict(size=size, capacity_factor=cf, steps=n_steps, warmup=args.ext_warmup,
+                             load_avg_1min=dict(before=load, after=os.getloadavg()[0]), **got))
+    targets = {}
+    for run in runs:
+        if run["capacity_factor"] is not None:
+            continue
+        for r in run["rows"][1:]:
+            key = f"{run['size'].split(' (')[0]} vs {r['system']}"
+            targets[key] = dict(threshold=1.1, value=r["tribucket_speedup"],
+                                met=r["tribucket_speedup"] >= 1.1)
+    result = dict(config=dict(world_size=W, top_k=external.TOP_K, sizes=external.SIZES,
+                              dtype="float32", threads_per_rank=1, backend="gloo (CPU processes)",
+                              expert="SwiGLU (w1, w2, w3; no bias)"),
+                  machine=_machine(load_before), runs=runs, targets=targets)
+    return _write("moe_external", result, external.external_table, external.external_plot)
 
 
 def _machine(load_before: float) -> dict:

@@ -36,7 +36,6 @@ On a CUDA machine it also times the Triton kernels with ``triton.testing.do_benc
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import pathlib
@@ -53,6 +52,7 @@ RESULTS = ROOT / "perf" / "results"
 sys.path.insert(0, str(ROOT))
 
 import tribucket  # noqa: E402
+from _results import save  # noqa: E402  (perf/, the script's directory)
 from tribucket import kernels  # noqa: E402
 
 F32, F16 = torch.float32, torch.float16
@@ -140,9 +140,18 @@ def pack_variants(b: Bucket, op: str) -> dict:
             return r
         return run
 
+    def foreach_copy():  # one _foreach_copy_ into the fp32 bucket views, then scale/cast
+        torch._foreach_copy_(b.views[F32], grads)
+        if scale != 1.0 or dt != F32:
+            torch.mul(b.out[F32], scale, out=out)
+        if check_inf and not bool(torch.isfinite(out).all()):
+            fi.fill_(1.0)
+
     variants = {"tribucket": tribucket_plan, "mul(out=) loop": mul_loop,
                 "copy_ loop": copy_loop, "_flatten_dense_tensors": allocating(lambda: flat(grads)),
                 "torch.cat": allocating(lambda: torch.cat([g.view(-1) for g in grads]))}
+    if grads[0].is_cuda:  # the GPU user's one-call copy (the CPU table predates it)
+        variants["_foreach_copy_"] = foreach_copy
     if len(grads) == 1:  # one tensor: it returns a view of it (copies nothing; mul_ on it
         del variants["_flatten_dense_tensors"]  # would scale the gradient itself)
     return variants
@@ -409,12 +418,7 @@ def main(argv=None) -> None:
            "cuda": bench_cuda()}
     res["loadavg_after"] = os.getloadavg()
     res["targets"] = targets(next(r for r in res["cpu"] if r["threads"] == 1)["rows"])
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "pack.json").write_text(json.dumps(res, indent=1))
-    (out / "pack.md").write_text(markdown(res))
-    plot(res, out / "pack.png")
-    print(markdown(res))
+    save(args.out, "pack", res, markdown, plot)
 
 
 if __name__ == "__main__":

@@ -54,9 +54,12 @@ def make_model(name: str) -> tuple[nn.Module, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warmup: int,
-            out_path: str) -> None:
+            out_path: str, backend: str = "gloo") -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     import tribucket
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -68,14 +71,14 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
 
     def fresh():
         model, x = make_model(model_name)
-        return model, x
+        return model.to(device), x.to(device)
 
     # local
     m, x = fresh()
     add("local", m, m, torch.optim.SGD(m.parameters(), lr=1e-4))
     # raw allreduce of one flat tensor holding every gradient
     m, x = fresh()
-    flat = torch.zeros(sum(p.numel() for p in m.parameters()))
+    flat = torch.zeros(sum(p.numel() for p in m.parameters()), device=device)
     add("raw allreduce", m, m, torch.optim.SGD(m.parameters(), lr=1e-4))
     # tribucket
     m, x = fresh()
@@ -87,8 +90,7 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
     add("tribucket chunked", m, m, torch.optim.SGD(m.parameters(), lr=1e-4), rc)
     # the GPU strategy on CPU: pack each bucket in one call when its last gradient arrives
     m, x = fresh()
-    rb = tribucket.Reducer(m)
-    rb._pack_mode = "0"
+    rb = tribucket.Reducer(m, pack_on_ready=False)
     add("tribucket bucket-pack", m, m, torch.optim.SGD(m.parameters(), lr=1e-4), rb)
     # DDP
     m, x = fresh()
@@ -120,8 +122,12 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
     for it in range(warmup + rounds):
         for name in VARIANTS:
             dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             run(name)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             if it >= warmup:
                 times[name].append(dt)
@@ -163,9 +169,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(model_name: str, rounds: int, warmup: int, world: int = 2) -> dict:
-    tmp = RESULTS / f".step_{model_name}.json"
-    mp.spawn(_worker, args=(world, _free_port(), model_name, rounds, warmup, str(tmp)),
+def measure(model_name: str, rounds: int, warmup: int, world: int = 2, backend: str = "gloo",
+            results: pathlib.Path = RESULTS) -> dict:
+    tmp = results / f".step_{model_name}.json"
+    mp.spawn(_worker, args=(world, _free_port(), model_name, rounds, warmup, str(tmp), backend),
              nprocs=world)
     data = json.loads(tmp.read_text())
     tmp.unlink()
@@ -186,7 +193,8 @@ def table(results: list[dict], meta: dict | None = None) -> str:
     if meta:
         load = meta.get("loadavg")
         load_s = (f"; 1-min load average {load[0]:.2f} at the start" if load else "")
-        lines += [f"Training step (forward, backward, SGD), 2 gloo ranks x 1 intra-op thread on a "
+        lines += [f"Training step (forward, backward, SGD), {meta.get('world', 2)} "
+                  f"{meta.get('backend', 'gloo')} ranks x 1 intra-op thread on a "
                   f"{meta['cpus']}-CPU {meta['machine']} machine, torch {meta['torch']}; median "
                   f"of {meta['rounds']} rounds after {meta['warmup']} warm-up, variants "
                   f"interleaved{load_s}.", ""]
@@ -254,29 +262,41 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--render", action="store_true",
                    help="re-make step.md and step.png from step.json without measuring")
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
+                   help="nccl: one GPU a rank (cuda:rank)")
+    p.add_argument("--world", type=int, default=2, help="ranks (NCCL: at most one a GPU)")
+    p.add_argument("--out", default=str(RESULTS), help="directory for step.{json,md,png}")
     args = p.parse_args(argv)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.backend == "nccl" and args.world > torch.cuda.device_count():
+        p.error(f"--backend nccl --world {args.world} needs {args.world} GPUs; "
+                f"{torch.cuda.device_count()} visible: pass --world {max(1, torch.cuda.device_count())}")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     if args.render:  # re-make the table and plot from step.json (no measuring)
-        data = json.loads((RESULTS / "step.json").read_text())
+        data = json.loads((out / "step.json").read_text())
         md = table(data["results"], data["meta"])
-        (RESULTS / "step.md").write_text(md + "\n")
-        plot(data["results"], RESULTS / "step.png")
+        (out / "step.md").write_text(md + "\n")
+        plot(data["results"], out / "step.png")
         print(md)
         return
     loadavg = list(os.getloadavg())
     results = []
     for name in args.models.split(","):
         t0 = time.time()
-        res = measure(name, args.rounds, args.warmup)
+        res = measure(name, args.rounds, args.warmup, args.world, args.backend, out)
         print(f"{name}: done in {time.time() - t0:.0f}s", file=sys.stderr)
         results.append(res)
     meta = {"torch": torch.__version__, "machine": platform.machine(),
             "cpus": os.cpu_count(), "rounds": args.rounds, "warmup": args.warmup,
             "loadavg": loadavg}
-    (RESULTS / "step.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    if args.backend != "gloo" or args.world != 2:
+        meta.update(backend=args.backend, world=args.world)
+        if args.backend == "nccl":
+            meta["gpu"] = torch.cuda.get_device_name()
+    (out / "step.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     md = table(results, meta)
-    (RESULTS / "step.md").write_text(md + "\n")
-    plot(results, RESULTS / "step.png")
+    (out / "step.md").write_text(md + "\n")
+    plot(results, out / "step.png")
     print(md)
 
 

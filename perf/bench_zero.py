@@ -37,10 +37,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_step import _free_port, make_model  # noqa: E402
+from _gloo_run import init_rank, round_robin, spawn  # noqa: E402
+from bench_step import make_model  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 VARIANTS = ["DDP + AdamW", "DDP + ZeRO", "tribucket sharded", "tribucket sharded overlap",
@@ -103,7 +103,8 @@ class _Variant:
         ts = [p.grad for p in self.model.parameters()] + _state_tensors(self.inner)
         if self.reducer is not None:
             ts += list(self.reducer.grad_shards)
-            ts += [t for m in self.reducer._mem for t in (m.active, m.lent)]
+            ts += [t for b in self.reducer._bw.buckets
+                   for t in (b.mem.active, b.mem.lent)]
             ts += [m for m, f in zip(self.opt._master, self.opt._flat)
                    if m.untyped_storage().data_ptr() != f.untyped_storage().data_ptr()]
         return _bytes(ts) + self.fixed
@@ -131,18 +132,9 @@ class _Variant:
 
 def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warmup: int,
             out_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    init_rank(rank, world, port)
     variants = {name: _Variant(name, model_name) for name in VARIANTS}
-    times = {k: [] for k in variants}
-    for it in range(warmup + rounds):
-        for name, v in variants.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            v.step()
-            if it >= warmup:
-                times[name].append(time.perf_counter() - t0)
+    times = round_robin(lambda name: variants[name].step(), VARIANTS, rounds, warmup)
     memory = {}
     for name, v in variants.items():
         dist.barrier()
@@ -171,12 +163,8 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
 
 
 def measure(model_name: str, world: int, rounds: int, warmup: int) -> dict:
-    tmp = RESULTS / f".zero_{model_name}_{world}.json"
-    mp.spawn(_worker, args=(world, _free_port(), model_name, rounds, warmup, str(tmp)),
-             nprocs=world)
-    data = json.loads(tmp.read_text())
-    tmp.unlink()
-    return data
+    return spawn(_worker, (model_name, rounds, warmup), world,
+                 RESULTS / f".zero_{model_name}_{world}.json")
 
 
 def table(results: list[dict], meta: dict) -> str:

@@ -63,6 +63,15 @@ def test_demo_matches_ddp_and_learns(dist_run, tmp_path):
     # tribucket allreduces the dense gradients only; DDP every expert's too
     assert 0 < res["tribucket"]["bytes_per_step"] < res["ddp"]["bytes_per_step"]
     assert all(t > 0 for t in res["tribucket"]["step_s"] + res["tribucket"]["comm_exposed_s"])
+    # memory of the experts per rank: tribucket holds its own experts, DDP every expert
+    D, H, L, world = TINY["d_model"], TINY["ffn_hidden"], TINY["experts_per_rank"], 2
+    moe_layers = TINY["layers"] // 2  # every second block's FFN is an MoE layer
+    expert_bytes = 4 * (D * H + H + H * D + D)  # fp32 fc1 and fc2, with biases
+    for name, experts in (("tribucket", L), ("ddp", L * world)):
+        params = moe_layers * experts * expert_bytes
+        assert res[name]["expert_param_bytes"] == params, (name, res[name])
+        # AdamW: two moments of each parameter's size, a 4-byte step per parameter tensor
+        assert res[name]["expert_opt_bytes"] == 2 * params + 4 * 4 * moe_layers * experts, name
 
     # rank 0 wrote the figures and their data; the other ranks wrote nothing
     assert [r["out_dir"] for r in results[1:]] == [None]
@@ -74,7 +83,8 @@ def test_demo_matches_ddp_and_learns(dist_run, tmp_path):
     assert loss["tribucket"] == res["tribucket"]["losses"] and loss["ddp"] == res["ddp"]["losses"]
     steps = json.loads((out / "step_time.json").read_text())
     assert steps["ddp"]["step_s"] == res["ddp"]["step_s"]
-    assert "max |param difference|" in (out / "table.txt").read_text()
+    table = (out / "table.txt").read_text()
+    assert "max |param difference|" in table and "expert optimizer state per rank" in table
 
 
 @pytest.mark.parametrize("world_size", [1, 3])

@@ -216,6 +216,78 @@ def test_triton_edge_layouts(device):
             assert_values(a, e, "unpack")
 
 
+class _AlignSpy:
+    """Wraps a kernel so every launch records the ``ALIGN`` it was given, then runs it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.aligns = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.aligns.append(kwargs["ALIGN"])
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def _aligned_case(src_dtype, dst_dtype, device, *, odd_size=False, shift_src=False,
+                  shift_buf=False):
+    """Tensors of 16-byte multiples at 16-byte offsets, optionally broken in one place."""
+    sizes = [P.BLOCK + 16, 8, 0, 24 + (1 if odd_size else 0), 16]
+    offsets, o = [], 16
+    for n in sizes:
+        offsets.append(o)
+        o += -(-n // 16) * 16
+    gen = torch.Generator().manual_seed(7)
+    ts = [values(n + 1, src_dtype, gen, False).to(device) for n in sizes]
+    ts = [t[1:] if shift_src and i == 3 else t[:-1] for i, t in enumerate(ts)]  # 1 element off
+    ts[1] = None  # a zero-filled slice: pointer 0 is aligned
+    buf = sentinel(o + 1, dst_dtype, device)
+    buf = buf[1:] if shift_buf else buf[:-1]
+    return sizes, offsets, ts, buf
+
+
+@pytest.mark.parametrize("device", TRITON)
+@pytest.mark.parametrize("pair", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                  (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16),
+                                  (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("broken", [None, "odd_size", "shift_src", "shift_buf"])
+def test_triton_aligned_and_scalar_paths(device, pair, broken, monkeypatch):
+    """The host check picks the 128-bit kernel (ALIGN = 16 bytes in elements of the narrower
+    dtype) only when every address, offset and size allows it, and both kernels equal the
+    reference (pack with scale 1 and 0.5 and found_inf, unpack with accumulate)."""
+    src_dtype, dst_dtype = pair
+    sizes, offsets, ts, out = _aligned_case(src_dtype, dst_dtype, device, **(
+        {broken: True} if broken else {}))
+    ref_ts = [torch.zeros(n, dtype=src_dtype, device=device) if t is None else t
+              for t, n in zip(ts, sizes)]
+    plan = kernels.BucketPlan(sizes, offsets, out.numel(), device, backend="triton")
+    T = importlib.import_module("tribucket.kernels.pack_triton")
+    pack_spy, unpack_spy = _AlignSpy(T._pack_kernel), _AlignSpy(T._unpack_kernel)
+    monkeypatch.setattr(T, "_pack_kernel", pack_spy)
+    monkeypatch.setattr(T, "_unpack_kernel", unpack_spy)
+    for scale in (1.0, 0.5):
+        flag, flag_ref = torch.zeros(1, device=device), torch.zeros(1, device=device)
+        expected = out.clone()
+        plan.pack(ts, out, scale=scale, found_inf=flag)
+        pack_reference(ref_ts, expected, offsets, scale=scale, found_inf=flag_ref)
+        assert_values(out, expected, f"pack {pair} scale={scale} broken={broken}")
+        assert flag.item() == flag_ref.item()
+        back = [None if t is None else torch.ones_like(t) for t in ts]
+        if broken == "shift_src":  # the unpack destination is the one off by an element
+            back[3] = torch.ones(sizes[3] + 1, dtype=src_dtype, device=device)[1:]
+        want = [None if t is None else torch.ones_like(t) for t in ts]
+        plan.unpack(out, back, scale=2.0, accumulate=scale != 1.0)
+        unpack_reference(out, want, offsets, scale=2.0, accumulate=scale != 1.0)
+        for i, (a, e) in enumerate(zip(back, want)):
+            if a is not None:
+                assert_values(a, e, f"unpack tensor {i} {pair} broken={broken}")
+    vec = 16 // min(src_dtype.itemsize, dst_dtype.itemsize)
+    want_align = vec if broken is None else 1
+    assert pack_spy.aligns == [want_align] * 2, f"pack ALIGN {pack_spy.aligns}, want {want_align}"
+    assert unpack_spy.aligns == [want_align] * 2, \
+        f"unpack ALIGN {unpack_spy.aligns}, want {want_align}"
+
+
 def _cast_cases():
     x = torch.tensor([1.00390625, 1.01171875, -1.00390625, 1 + 2**-11, 1 + 3 * 2**-11,
                       65504.0, 65519.99, 65520.0, 6e-8, 2**-25, 3e-8, 1e-45, -0.0,
@@ -330,12 +402,13 @@ def test_index_math_is_int64(device):
     ptrs = torch.tensor([src.data_ptr() - huge * 4], **i64)  # virtual element `huge` = src[0]
     P._pack_kernel[(2,)](ptrs, sizes, offsets, block_tensor, block_start, out, sizes, 1.0,
                          SRC=P.tl.float32, DST=P.tl.float32, COPY=True, CHECK=False,
-                         BLOCK=P.BLOCK)
+                         BLOCK=P.BLOCK, ALIGN=1)  # the layout is not 16-byte aligned
     assert torch.equal(out[3:3 + n], src) and not out[:3].any() and not out[3 + n:].any()
     back = torch.zeros(n, device=device)
     ptrs = torch.tensor([back.data_ptr() - huge * 4], **i64)
     P._unpack_kernel[(2,)](ptrs, sizes, offsets, block_tensor, block_start, out, 2.0,
-                           DST=P.tl.float32, COPY=False, ACCUMULATE=False, BLOCK=P.BLOCK)
+                           DST=P.tl.float32, COPY=False, ACCUMULATE=False, BLOCK=P.BLOCK,
+                           ALIGN=1)
     assert torch.equal(back, src * 2)
 
 
@@ -560,3 +633,20 @@ def test_docstring_examples():
     for mod in (P, importlib.import_module("tribucket.kernels.reference")):
         result = doctest.testmod(mod, extraglobs={"torch": torch})
         assert result.attempted > 0 and result.failed == 0, mod.__name__
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_torch_pack_copy_with_found_inf_keeps_every_bit(dtype):
+    """A same-dtype, unscaled pack is a copy even when it also looks for non-finite values:
+    NaN payloads pass through unchanged (hypothesis found an fp16 NaN that came out as
+    another NaN when the copy went through the float32 compute path)."""
+    nan_bits = {torch.float16: 0x7E01, torch.bfloat16: 0x7FC1, torch.float32: 0x7FC00001}
+    int_of = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+    src = torch.arange(1, 55, dtype=torch.float32).to(dtype)
+    src.view(int_of[dtype])[52] = nan_bits[dtype]
+    out = sentinel(54, dtype, "cpu")
+    flag = torch.zeros(1)
+    kernels.BucketPlan([0, 0, 54], [0, 0, 0], 54, "cpu", backend="torch").pack(
+        [torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype), src], out, found_inf=flag)
+    assert torch.equal(out.view(int_of[dtype]), src.view(int_of[dtype])), "bits changed"
+    assert flag.item() == 1.0, "the NaN was not flagged"

@@ -16,8 +16,11 @@ from tribucket.kernels import moe as kmoe
 from tribucket.kernels.moe_reference import (
     moe_counts_reference,
     moe_permute_reference,
+    moe_permute_rows,
     moe_unpermute_backward_reference,
+    moe_unpermute_backward_rows,
     moe_unpermute_reference,
+    moe_unpermute_rows,
 )
 
 _skip_without_triton = pytest.mark.skipif(
@@ -30,8 +33,9 @@ def needs_triton(fn):
     return pytest.mark.interpreter(_skip_without_triton(fn))
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
-# (T, K, D): empty, single token, odd sizes, a row longer than one block (_BLOCK_D = 512)
-SHAPES = [(0, 2, 8), (1, 1, 1), (7, 2, 5), (19, 3, 130), (5, 2, 600)]
+# (T, K, D): empty, single token, odd sizes, rows longer than one block (512 fp32 or 1024
+# 16-bit elements)
+SHAPES = [(0, 2, 8), (1, 1, 1), (7, 2, 5), (19, 3, 130), (5, 2, 600), (2, 2, 1096)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -96,6 +100,43 @@ def test_permute_kernel_matches_reference(T, K, D, dtype, drop):
         _assert_equal("permute (reference vs loop)", want.cpu(), _loop_permute(x.cpu(), dest.cpu(), N))
 
 
+def _misaligned(T, D, dtype, g):
+    """A contiguous [T, D] tensor whose storage starts one element past a 16-byte boundary."""
+    return torch.randn(T * D + 1, generator=g).to(dtype).to(DEV)[1:].view(T, D)
+
+
+@pytest.mark.parametrize("dtype,vec", [(torch.float32, 4), (torch.float16, 8), (torch.bfloat16, 8)])
+def test_row_align_takes_the_vector_kernel_only_when_every_row_is_aligned(dtype, vec):
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(4, 3 * vec, generator=g).to(dtype)
+    assert kmoe._row_align(3 * vec, a, a.clone()) == vec
+    assert kmoe._row_align(vec + 1, torch.zeros(4, vec + 1, dtype=dtype)) == 1
+    assert kmoe._row_align(3 * vec, a, _misaligned(4, 3 * vec, dtype, g)) == 1
+    assert kmoe._row_align(3 * vec, a, a.float()) == vec  # mixed: the narrower dtype decides
+    assert kmoe._row_align(2, torch.zeros(4, 2, dtype=torch.float32), torch.zeros(4, 2, dtype=dtype)) == 1
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_kernels_on_misaligned_rows_match_reference(dtype):
+    """Rows whose storage is one element off a 16-byte boundary take the scalar kernel."""
+    g = torch.Generator().manual_seed(11)
+    T, K, D = 6, 2, 16
+    dest, N = _routing(T, K, 0.3, seed=5)
+    x = _misaligned(T, D, dtype, g)
+    _assert_equal("permute (misaligned)", kmoe.moe_permute(x, dest, N, backend="triton"),
+                  moe_permute_reference(x, dest, N))
+    rows, w = _misaligned(N, D, dtype, g), torch.rand(T, K, generator=g).to(DEV)
+    atol, rtol = _ulp_tol(dtype)
+    torch.testing.assert_close(kmoe.moe_unpermute(rows, dest, w, backend="triton").float(),
+                               moe_unpermute_reference(rows, dest, w).float(), atol=atol, rtol=rtol)
+    grad_y = _misaligned(T, D, dtype, g)
+    got = kmoe.moe_unpermute_backward(grad_y, rows, dest, w, backend="triton")
+    want = moe_unpermute_backward_reference(grad_y, rows, dest, w)
+    torch.testing.assert_close(got[0].float(), want[0].float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-5)
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,K,D", SHAPES)
@@ -133,12 +174,55 @@ def test_unpermute_kernels_match_reference(T, K, D, dtype, drop, weighted):
         assert grad_w is None and grad_w_ref is None
 
 
+def _slots(dest_TK, N):
+    """The inverse of dest_TK written out slot by slot: the slot filling each row."""
+    slot_N = torch.full((N,), -1, dtype=torch.int64)
+    for s, d in enumerate(dest_TK.reshape(-1).tolist()):
+        if d >= 0:
+            slot_N[d] = s
+    assert bool((slot_N >= 0).all())
+    return slot_N.to(dest_TK.device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,K,D", SHAPES + [(6, 3, 4)])
+@pytest.mark.parametrize("drop", [0.0, 0.4])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_row_path_matches_reference(T, K, D, dtype, drop, weighted):
+    """The CPU path by rows (given slot_N) against the dest_TK references it replaces."""
+    g = torch.Generator().manual_seed(5 * T + D)
+    dest, N = _routing(T, K, drop, seed=T * K + 2)
+    slot_N = _slots(dest, N)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    rows = torch.randn(N, D, generator=g).to(dtype)
+    w = torch.rand(T, K, generator=g) if weighted else None
+    grad_y = torch.randn(T, D, generator=g).to(dtype)
+    atol, rtol = _ulp_tol(dtype)
+    _assert_equal("permute", moe_permute_rows(x, slot_N, K), moe_permute_reference(x, dest, N))
+    y, y_ref = moe_unpermute_rows(rows, slot_N, K, T, w), moe_unpermute_reference(rows, dest, w)
+    assert y.dtype == y_ref.dtype and y.shape == y_ref.shape == (T, D)
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=atol, rtol=rtol)
+    (grad_rows, grad_w), (grad_rows_ref, grad_w_ref) = (
+        moe_unpermute_backward_rows(grad_y, rows, slot_N, K, w),
+        moe_unpermute_backward_reference(grad_y, rows, dest, w))
+    assert grad_rows.dtype == grad_rows_ref.dtype and grad_rows.shape == (N, D)
+    torch.testing.assert_close(grad_rows.float(), grad_rows_ref.float(), atol=atol, rtol=rtol)
+    if weighted:
+        assert grad_w.dtype == w.dtype and grad_w.shape == (T, K)
+        torch.testing.assert_close(grad_w, grad_w_ref, atol=1e-4, rtol=1e-5)
+        assert torch.count_nonzero(grad_w[dest < 0]) == 0  # a dropped slot gets no gradient
+    else:
+        assert grad_w is None and grad_w_ref is None
+
+
 @pytest.mark.parametrize("backend", [
-    "reference", pytest.param("triton", marks=[_skip_without_triton, pytest.mark.interpreter])])
+    "reference", "rows",
+    pytest.param("triton", marks=[_skip_without_triton, pytest.mark.interpreter])])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_autograd_through_permute_and_unpermute(backend, dtype):
     """x -> permute -> (rows * scale) -> weighted unpermute: gradients of x, scale and w
-    against the same computation written with plain torch indexing."""
+    against the same computation written with plain torch indexing ("rows": the PyTorch
+    path given slot_N, as the dispatcher calls it)."""
     T, K, D = 9, 2, 7
     g = torch.Generator().manual_seed(3)
     dest, N = _routing(T, K, 0.3, seed=11)
@@ -147,8 +231,9 @@ def test_autograd_through_permute_and_unpermute(backend, dtype):
     w = torch.rand(T, K, generator=g).to(DEV).requires_grad_()
     gy = torch.randn(T, D, generator=g).to(DEV)
 
-    rows = kmoe.permute_tokens(x, dest, N, backend=backend) * scale
-    y = kmoe.unpermute_tokens(rows, dest, w, backend=backend)
+    kw = dict(backend="reference", slot_N=_slots(dest, N)) if backend == "rows" else dict(backend=backend)
+    rows = kmoe.permute_tokens(x, dest, N, **kw) * scale
+    y = kmoe.unpermute_tokens(rows, dest, w, **kw)
     (y.float() * gy).sum().backward()
 
     xr, sr, wr = (t.detach().clone().float().requires_grad_() for t in (x, scale, w))

@@ -305,3 +305,48 @@ def test_kept_gradients_are_not_overwritten(dist_run):
     results = dist_run(_saved_gradients_stay_intact, world_size=2)
     for intact, _ in results:
         assert intact == [True] * 4
+
+
+# ---------------------------------------------------------------- close() mid-backward
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("backward failed on purpose")
+
+
+def _close_mid_backward(late_s):
+    import time
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    reducer = tribucket.Reducer(model, bucket_cap_mb=0.01)  # about a layer per bucket
+    loss_of(model(torch.randn(2, 64))).backward()  # iteration 1: the rebuild
+    if rank == 1:
+        time.sleep(late_s)  # rank 1 launches its buckets late
+    started = time.monotonic()
+    h = model[1](model[0](torch.randn(2, 64)))
+    h = model[3](model[2](_RaiseInBackward.apply(h)))
+    try:  # the buckets of layers 3 and 2 are sent, then backward raises before 1 and 0
+        loss_of(h).backward()
+    except ValueError:
+        pass
+    reducer.close()  # must finish the allreduces in flight (they need rank 1)
+    closed = time.monotonic()
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the group still pairs collectives
+    return started, closed, t.item(), reducer.stats.iterations
+
+
+def test_close_finishes_the_communication_in_flight(dist_run):
+    late_s = 1.0
+    results = dist_run(_close_mid_backward, late_s, world_size=2, timeout=60)
+    (_, closed0, sum0, it0), (started1, _, sum1, _) = results
+    # CLOCK_MONOTONIC is one clock per host: rank 0's close() returned only after rank 1
+    # started the backward that sends the other half of rank 0's allreduces
+    assert closed0 >= started1, (closed0, started1)
+    assert sum0 == sum1 == 2.0 and it0 == 1

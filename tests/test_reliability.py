@@ -21,7 +21,8 @@ from test_reducer import assert_states_equal
 
 
 # ---------------------------------------------------------------- Join: uneven inputs
-def _join_vs_ddp(name, kwargs, divide_by_initial, hook=None, chunk_mb=None):
+def _join_vs_ddp(name, kwargs, divide_by_initial, hook=None, chunk_mb=None, method=False):
+    """``method``: enter ``reducer.join(...)`` (DDP's spelling) instead of ``Join([reducer])``."""
     rank = dist.get_rank()
     n_batches = 2 + rank  # every rank has a different number of batches
     mine, theirs = build(name), build(name)
@@ -32,7 +33,8 @@ def _join_vs_ddp(name, kwargs, divide_by_initial, hook=None, chunk_mb=None):
         if hook is not None:
             reducer.register_comm_hook(None, getattr(hooks, hook))
             ddp.register_comm_hook(None, getattr(hooks, hook))
-        with Join([reducer], divide_by_initial_world_size=divide_by_initial):
+        join = reducer.join if method else lambda **kw: Join([reducer], **kw)
+        with join(divide_by_initial_world_size=divide_by_initial):
             for step in range(n_batches):
                 loss_of(mine(batch(name, rank, step))).backward()
                 opt_a.step()
@@ -63,12 +65,13 @@ def test_join_with_builtin_hook_and_chunks(dist_run):
              chunk_mb=0.0002, world_size=3)
 
 
-def _join_throw():
+def _join_throw(method=False):
     rank = dist.get_rank()
     model = build("mlp")
     try:
         with tribucket.fused_bucketing(model) as reducer:
-            with Join([reducer], throw_on_early_termination=True):
+            join = reducer.join if method else lambda **kw: Join([reducer], **kw)
+            with join(throw_on_early_termination=True):
                 for step in range(2 + rank):
                     loss_of(model(batch("mlp", rank, step))).backward()
     except RuntimeError as e:

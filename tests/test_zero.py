@@ -198,7 +198,7 @@ def _kept():
         opt = ShardedOptimizer(reducer, torch.optim.AdamW, lr=1e-2)
         model(_batch(rank, 0)).sum().backward()
         shards = reducer.grad_shards
-        full = [m.active for m in reducer._mem if m.active is not None or m.lent is not None]
+        full = [m.active for m in (b.mem for b in reducer._bw.buckets) if m.active is not None or m.lent is not None]
         facts = dict(shard_numel=sum(s.numel() for s in shards),
                      expect=sum(s.shard_numel for s in reducer.shards),
                      grads=[p.grad for p in model.parameters() if p.grad is not None],

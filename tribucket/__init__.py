@@ -12,7 +12,7 @@ from ._env import nccl_version
 from .config import ReducerConfig
 from .grad_bucket import GradBucket
 from .layout import NO_CAP, Bucket, BucketLayout, TensorSpec, compute_layout
-from .reducer import Reducer, ReducerStats, fused_bucketing
+from .ddp import Reducer, ReducerStats, fused_bucketing
 from .zero import ShardedOptimizer
 
 __version__ = "0.1.0"

@@ -24,6 +24,11 @@ DEFAULT_FIRST_BUCKET_CAP_MB = 1
 DEFAULT_SHARD_BUCKET_CAP_MB = 4
 
 
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    return None if value is None else value == "1"
+
+
 def _positive_mb(name: str, value: Any) -> None:
     if value is None:
         return
@@ -52,7 +57,10 @@ class ReducerConfig:
     #: is recorded once and the buckets are rebuilt even with unused parameters
     static_graph: bool = False
     #: broadcast rank 0's buffers (BatchNorm statistics...) before each forward with grad
-    broadcast_buffers: bool = True
+    #: enabled (``True``); ``"ddp"``: also before a forward without grad that follows a
+    #: training forward, as DDP decides (a collective under ``no_grad``: every rank must run
+    #: evaluation forwards then); ``False``: never
+    broadcast_buffers: bool | str = True
     #: parameters (or their qualified names) this reducer leaves alone
     ignore_parameters: tuple = ()
     #: split the averaging allreduce of each bucket into chunks of about this many MiB,
@@ -74,6 +82,14 @@ class ReducerConfig:
     #: check each bucket across ranks before its collective and log per-bucket timings;
     #: also switched on by the environment variable ``TRIBUCKET_DEBUG=1``
     debug: bool = field(default_factory=lambda: os.environ.get("TRIBUCKET_DEBUG", "0") == "1")
+    #: when a gradient is copied into its bucket: ``True`` as soon as it is ready (one copy
+    #: per gradient, the way DDP does it), ``False`` in one pack call when the bucket's
+    #: last gradient is ready (one fused launch per bucket, the GPU way), ``None`` (default):
+    #: decided per bucket: on GPU one launch per bucket; on CPU, buckets whose gradients
+    #: average 64 KiB or more copy each one in while it is still in cache, buckets of
+    #: smaller ones are packed in one call (per-gradient Python work would cost more).
+    #: Also set by the environment variable ``TRIBUCKET_EAGER_PACK=1``/``0``
+    pack_on_ready: bool | None = field(default_factory=lambda: _env_flag("TRIBUCKET_EAGER_PACK"))
 
     def __post_init__(self) -> None:
         _positive_mb("bucket_cap_mb", self.bucket_cap_mb)
@@ -81,9 +97,15 @@ class ReducerConfig:
         if self.comm_chunk_mb is not None and self.comm_chunk_mb != 0:
             _positive_mb("comm_chunk_mb", self.comm_chunk_mb)
         for name in ("gradient_as_bucket_view", "find_unused_parameters", "static_graph",
-                     "broadcast_buffers", "debug", "shard_optimizer"):
+                     "debug", "shard_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not (isinstance(self.broadcast_buffers, bool) or self.broadcast_buffers == "ddp"):
+            raise ValueError(f"broadcast_buffers must be True, False or 'ddp' (also before "
+                             f"evaluation forwards, as DDP), got {self.broadcast_buffers!r}")
+        if self.pack_on_ready is not None and not isinstance(self.pack_on_ready, bool):
+            raise TypeError(f"pack_on_ready must be True, False or None, got "
+                            f"{self.pack_on_ready!r}")
         if self.shard_optimizer and self.comm_chunk_mb:
             raise ValueError(f"comm_chunk_mb={self.comm_chunk_mb!r} cannot be combined with "
                              "shard_optimizer=True (a bucket is reduce-scattered whole); "
@@ -98,6 +120,18 @@ class ReducerConfig:
                                 f"{type(self.timeout).__name__} {self.timeout!r}")
             if self.timeout.total_seconds() <= 0:
                 raise ValueError(f"timeout must be positive, got {self.timeout}")
+
+    @property
+    def dynamic_unused(self) -> bool:
+        """The unused set is searched after every forward (``find_unused_parameters``
+        without ``static_graph``): the buckets are never rebuilt, as in DDP."""
+        return self.find_unused_parameters and not self.static_graph
+
+    @property
+    def needs_used_map(self) -> bool:
+        """The status may carry the global used map (which parameters got a gradient on
+        some rank): with ``find_unused_parameters`` or ``static_graph``."""
+        return self.find_unused_parameters or self.static_graph
 
     @property
     def bucket_cap_bytes(self) -> int:

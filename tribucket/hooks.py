@@ -33,9 +33,19 @@ class _HookTraits:
     chunkable: bool = False       # one averaging allreduce: the reducer may send it in chunks
 
 
+@dataclass(frozen=True)
+class _OwnHookTraits:
+    """What one of tribucket's own hooks declares (``@_mark``)."""
+
+    wire_dtype: torch.dtype | None  # pack straight into this dtype (fused compression)
+    prescale: bool                  # expects the 1/world_size division fused into pack
+    chunkable: bool                 # one averaging allreduce: may be sent in chunks
+
+
 def _mark(wire_dtype=None, prescale=True, chunkable=False):
     def deco(fn):
-        fn._tribucket_traits = (wire_dtype, prescale, chunkable)
+        fn._tribucket_traits = _OwnHookTraits(wire_dtype=wire_dtype, prescale=prescale,
+                                              chunkable=chunkable)
         return fn
     return deco
 
@@ -51,16 +61,20 @@ def _torch_single_collective_hooks() -> tuple:
 
 def _hook_traits(hook: Callable | None, state: Any) -> _HookTraits:
     if hook is None:  # the reducer's own averaging allreduce
-        return _HookTraits(True, None, True, False, False, True)
+        return _HookTraits(builtin=True, wire_dtype=None, prescale=True, serialize=False,
+                           check_overflow=False, chunkable=True)
     own = getattr(hook, "_tribucket_traits", None)
     if own is not None:
-        wire, prescale, chunkable = own
+        wire, prescale, chunkable = own.wire_dtype, own.prescale, own.chunkable
         check = bool(getattr(state, "check_overflow", False)) and wire is not None
-        return _HookTraits(True, wire, prescale, False, check, chunkable)
+        return _HookTraits(builtin=True, wire_dtype=wire, prescale=prescale, serialize=False,
+                           check_overflow=check, chunkable=chunkable)
     if hook in _torch_single_collective_hooks():
-        return _HookTraits(False, None, False, False, False)
+        return _HookTraits(builtin=False, wire_dtype=None, prescale=False, serialize=False,
+                           check_overflow=False)
     # anything else may launch collectives from its future callbacks (PowerSGD does)
-    return _HookTraits(False, None, False, True, False)
+    return _HookTraits(builtin=False, wire_dtype=None, prescale=False, serialize=True,
+                       check_overflow=False)
 
 
 def _group_of(state: Any, bucket: Any = None) -> dist.ProcessGroup:

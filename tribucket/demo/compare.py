@@ -46,6 +46,8 @@ def _gather(res: RunResult, device: torch.device) -> dict:
         "median_step_s": median,
         "median_comm_exposed_s": None if math.isnan(comm_s[0]) else statistics.median(settled_comm),
         "bytes_per_step": res.bytes_per_step,
+        "expert_param_bytes": res.expert_param_bytes,
+        "expert_opt_bytes": res.expert_opt_bytes,
         "val_loss": res.val_loss,
     }
 

@@ -33,8 +33,9 @@ def format_table(result: dict) -> str:
         if row == "comm":
             c = r["median_comm_exposed_s"]
             return "-" if c is None else f"{c * 1e3:,.2f} ms"
-        if row == "bytes":
-            return _fmt_bytes(r["bytes_per_step"])
+        if row in ("bytes", "params", "opt"):
+            return _fmt_bytes(r[{"bytes": "bytes_per_step", "params": "expert_param_bytes",
+                                 "opt": "expert_opt_bytes"}[row]])
         if row == "first":
             return f"{r['losses'][0]:.4f}"
         if row == "final":
@@ -43,6 +44,7 @@ def format_table(result: dict) -> str:
 
     rows = [("step time (median)", "step"), ("tokens/s (all ranks)", "tok"),
             ("comm exposed after backward", "comm"), ("gradient bytes allreduced/step", "bytes"),
+            ("expert parameters per rank", "params"), ("expert optimizer state per rank", "opt"),
             ("first loss", "first"), ("final loss", "final"), ("validation loss", "val")]
     table = [[""] + [heads[n] for n in names]] + [[label] + [cell(n, key) for n in names]
                                                    for label, key in rows]

@@ -30,6 +30,8 @@ class RunResult:
     step_s: list = None            # per step: forward + backward + optimizer seconds
     comm_exposed_s: list = None    # per step: reducer.stats.comm_exposed_s (tribucket only)
     bytes_per_step: int = 0        # gradient bytes handed to allreduce per step (one rank)
+    expert_param_bytes: int = 0    # bytes of the expert parameters this rank holds
+    expert_opt_bytes: int = 0      # bytes of the optimizer state of those parameters
     val_loss: float = float("nan")
     state: dict = None             # final parameters (name -> tensor, on CPU)
     routing: list = None           # per step: CharTransformer.routing() (token counts)
@@ -116,8 +118,19 @@ def _train(cfg: DemoConfig, impl: str, data: CharData, device: torch.device,
         else:  # DDP allreduces every parameter's gradient, in the parameters' dtype
             res.bytes_per_step = sum(p.numel() * p.element_size() for p in model.parameters())
         res.val_loss = _evaluate(cfg, forward, model, data, device)
+    res.expert_param_bytes, res.expert_opt_bytes = _expert_memory(model, opt)
     res.state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return res
+
+
+def _expert_memory(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, int]:
+    """Bytes of this rank's expert parameters and of their optimizer state (AdamW: both
+    moments and the step count), as held after training."""
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    params = sum(p.numel() * p.element_size() for p in experts)
+    state = sum(t.numel() * t.element_size() for p in experts
+                for t in opt.state.get(p, {}).values() if isinstance(t, torch.Tensor))
+    return params, state
 
 
 @torch.no_grad()

@@ -9,16 +9,20 @@ Shape legend (suffixes on tensor names):
 
 Expert ``e`` lives on rank ``e // L`` as local expert ``e % L``. ``dispatch`` is::
 
-    plan       expert_ids_TK -> counts_E (kernel), dest_TK (stable sort by expert: token
-               order inside an expert, so capacity drops the latest tokens), then the
-               counts all-to-all: send_counts_WL -> recv_counts_WL, the splits (one host sync)
-    permute    x_TD -> send_ND, expert-ordered = rank-major (kernel, one launch)
+    plan       expert_ids_TK -> counts_E (kernel), dest_TK and its inverse slot_N (stable
+               sort by expert: token order inside an expert, so capacity drops the latest
+               tokens), then the counts all-to-all: send_counts_WL -> recv_counts_WL, the
+               splits (one host read of every count at once)
+    permute    x_TD -> send_ND, expert-ordered = rank-major (kernel, one launch; on CPU one
+               gather by slot_N)
     exchange   send_ND -> all-to-all (uneven) -> rows by (source rank, local expert)
-               -> regroup to (local expert, source rank) when L > 1 -> expert_input_RD
+               -> regroup to (local expert, source rank) when L > 1 and W > 1: one cat of
+               the W·L contiguous pieces -> expert_input_RD
 
-and ``combine`` runs the same steps backwards (ungroup, reverse all-to-all, weighted
-unpermute in fp32). Every step is differentiable; the all-to-alls' backward is the
-reverse exchange, so ``x_TD``, ``weights_TK`` and the experts all get gradients.
+and ``combine`` runs the same steps backwards (ungroup: one cat of the experts' outputs in
+(source rank, local expert) order, reverse all-to-all, weighted unpermute in fp32). Every
+step is differentiable; the all-to-alls' backward is the reverse exchange, so ``x_TD``,
+``weights_TK`` and the experts all get gradients.
 
 The token movement in the middle (``exchange`` -> experts -> ``exchange_back``) is the part
 a pipelined schedule (FasterMoE's pairwise exchange) replaces: it needs ``send_ND`` (rank
@@ -83,14 +87,20 @@ class DispatchMeta:
     recv_splits: tuple[int, ...]
     #: rows of ``expert_input`` per local expert, in local-expert order
     tokens_per_expert: tuple[int, ...]
-    #: [R, 1] int64: row of ``expert_input`` for each received row (None when no regroup)
-    regroup_dest_R1: torch.Tensor | None
+    #: [N] int64: the token-slot ``t * K + k`` filling each row of ``send_ND`` (the inverse
+    #: of ``dest_TK``; the PyTorch path gathers and combines by it)
+    slot_N: torch.Tensor
+    #: the received rows are regrouped from (source rank, local expert) to (local expert,
+    #: source rank) order (L > 1 and W > 1)
+    regroup: bool
     #: token-slots this rank dropped (capacity mode)
     num_dropped: int
     #: ``send_counts_WL`` as host integers (``[w][l]``), for schedules that loop over peers
     send_counts_host: tuple[tuple[int, ...], ...] = ()
     #: ``recv_counts_WL`` as host integers (``[w][l]``)
     recv_counts_host: tuple[tuple[int, ...], ...] = ()
+    #: ``counts_E`` as host integers
+    counts_host: tuple[int, ...] = ()
     #: ``[w][e]``: rows rank ``w`` sends to global expert ``e`` (after drops), every rank's
     #: routing; only when ``plan(..., gather_counts=True)`` (None otherwise)
     global_counts_host: tuple[tuple[int, ...], ...] | None = None
@@ -226,7 +236,7 @@ class MoEDispatcher:
         T, K = expert_ids_TK.shape
         capacity = expert_capacity(self.capacity_factor, T, K, self.num_experts)
         counts_E = moe_counts(expert_ids_TK, self.num_experts, backend=self.backend)
-        dest_TK, sent_E = _route(expert_ids_TK, counts_E, capacity)
+        dest_TK, sent_E, order_S = _route(expert_ids_TK, counts_E, capacity)
         send_counts_WL = sent_E.view(W, L)
         # column L carries each rank's bad-input flag (0 here: this rank's input is fine)
         parts = [send_counts_WL, send_counts_WL.new_zeros(W, 1)]
@@ -245,41 +255,58 @@ class MoEDispatcher:
                                f"before any token moves")
         recv_WL = [row[:L] for row in recv_WL1_host]
         tokens_per_expert = tuple(sum(recv_WL[w][l] for w in range(W)) for l in range(L))
-        regroup = None
-        if L > 1 and W > 1:
-            regroup = _regroup_dest(recv_counts_WL, sum(tokens_per_expert))
+        num_send = sum(host[:W * L])
+        counts_host = host[W * L + W * cols:]
         return DispatchMeta(
             num_tokens=T, top_k=K, d_model=x_TD.shape[1], capacity=capacity,
             dest_TK=dest_TK, weights_TK=weights_TK, counts_E=counts_E,
             send_counts_WL=send_counts_WL, recv_counts_WL=recv_counts_WL,
             send_splits=tuple(sum(r) for r in send_WL), recv_splits=tuple(sum(r) for r in recv_WL),
-            tokens_per_expert=tokens_per_expert, regroup_dest_R1=regroup,
-            num_dropped=sum(host[W * L + W * cols:]) - sum(host[:W * L]),
+            tokens_per_expert=tokens_per_expert,
+            slot_N=order_S if capacity is None else _kept_slots(dest_TK, num_send),
+            regroup=L > 1 and W > 1, num_dropped=sum(counts_host) - num_send,
             send_counts_host=tuple(map(tuple, send_WL)), recv_counts_host=tuple(map(tuple, recv_WL)),
+            counts_host=tuple(counts_host),
             global_counts_host=(tuple(tuple(row[L + 1:]) for row in recv_WC_host)
                                 if gather_counts else None))
 
     def permute(self, x_TD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """``send_ND``: each token's row once per kept choice, in global-expert order."""
-        return permute_tokens(x_TD, meta.dest_TK, meta.num_send, backend=self.backend)
+        return permute_tokens(x_TD, meta.dest_TK, meta.num_send, backend=self.backend,
+                              slot_N=meta.slot_N)
 
     def exchange(self, send_ND: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """All-to-all ``send_ND`` to the experts' ranks; regroup by local expert."""
         recv_RD = all_to_all(send_ND, meta.send_splits, meta.recv_splits, self.group)
-        if meta.regroup_dest_R1 is None:
+        if not meta.regroup:
             return recv_RD
-        return permute_tokens(recv_RD, meta.regroup_dest_R1, meta.num_recv, backend=self.backend)
+        W, L = self.world_size, self.num_local_experts
+        pieces = recv_RD.split([c for row in meta.recv_counts_host for c in row])  # (w, l)
+        return torch.cat([pieces[w * L + l] for l in range(L) for w in range(W)])
 
-    def exchange_back(self, expert_output_RD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
-        """Undo :meth:`exchange`: ``back_ND`` in ``send_ND``'s row order."""
-        rows_RD = expert_output_RD
-        if meta.regroup_dest_R1 is not None:
-            rows_RD = unpermute_tokens(rows_RD, meta.regroup_dest_R1, None, backend=self.backend)
+    def exchange_back(self, expert_output: torch.Tensor | Sequence[torch.Tensor],
+                      meta: DispatchMeta) -> torch.Tensor:
+        """Undo :meth:`exchange`: ``back_ND`` in ``send_ND``'s row order.
+
+        ``expert_output``: ``[R, D]`` in ``expert_input``'s order, or one tensor per local
+        expert (then the regroup and the concatenation are one copy).
+        """
+        outs = [expert_output] if isinstance(expert_output, torch.Tensor) else list(expert_output)
+        if meta.regroup:
+            W, L = self.world_size, self.num_local_experts
+            if len(outs) != L:
+                outs = list(torch.cat(outs).split(list(meta.tokens_per_expert)))
+            by_rank = [o.split([meta.recv_counts_host[w][l] for w in range(W)])
+                       for l, o in enumerate(outs)]
+            rows_RD = torch.cat([by_rank[l][w] for w in range(W) for l in range(L)])
+        else:
+            rows_RD = outs[0] if len(outs) == 1 else torch.cat(outs)
         return all_to_all(rows_RD, meta.recv_splits, meta.send_splits, self.group)
 
     def unpermute(self, back_ND: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """``y_TD``: the gate-weighted sum of each token's rows (fp32 accumulation)."""
-        return unpermute_tokens(back_ND, meta.dest_TK, meta.weights_TK, backend=self.backend)
+        return unpermute_tokens(back_ND, meta.dest_TK, meta.weights_TK, backend=self.backend,
+                                slot_N=meta.slot_N)
 
     # -- checks -------------------------------------------------------------------------
     def _check_inputs(self, x_TD, expert_ids_TK, weights_TK) -> torch.Tensor:
@@ -301,8 +328,7 @@ class MoEDispatcher:
             raise ValueError(f"x_TD, expert_ids_TK and weights_TK must be on one device, got "
                              f"{x_TD.device}, {expert_ids_TK.device}, {weights_TK.device}")
         if expert_ids_TK.numel():
-            lo, hi = torch.aminmax(expert_ids_TK)
-            lo, hi = int(lo), int(hi)
+            lo, hi = torch.stack(torch.aminmax(expert_ids_TK)).tolist()  # one host read
             if lo < 0 or hi >= self.num_experts:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"expert_ids_TK holds expert {bad}, outside 0..{self.num_experts - 1}")
@@ -328,7 +354,7 @@ class MoEDispatcher:
                 e = self.rank * self.num_local_experts + l
                 return (f"expert {e} (local expert {l} on rank {self.rank}) returned {got} for "
                         f"an input of shape [{n}, {D}]; experts must map [n, D] -> [n, D]"), None
-        return None, (outs[0] if len(outs) == 1 else torch.cat(outs))
+        return None, outs  # exchange_back concatenates them (with the regroup, in one copy)
 
     def _agree(self, problem: str | None, meta: DispatchMeta) -> None:
         if self.check_expert_output:
@@ -345,8 +371,10 @@ class MoEDispatcher:
 
 
 def _route(expert_ids_TK: torch.Tensor, counts_E: torch.Tensor,
-           capacity: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dest_TK, sent_E)``: each slot's row in expert order, and rows kept per expert.
+           capacity: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dest_TK, sent_E, order_S)``: each slot's row in expert order, rows kept per
+    expert, and the sort (``order_S[i]``: the slot in sorted position ``i``; dropless, the
+    slot filling row ``i``).
 
     Slots are ordered by expert, then token (a stable sort of the token-major ids), so with a
     capacity the slots past ``capacity`` in token order are the ones dropped (dest -1).
@@ -357,30 +385,25 @@ def _route(expert_ids_TK: torch.Tensor, counts_E: torch.Tensor,
     pos_S = torch.empty_like(order_S)
     pos_S[order_S] = torch.arange(ids_S.numel(), device=ids_S.device)
     if capacity is None:
-        return pos_S.view(T, K), counts_E
+        return pos_S.view(T, K), counts_E, order_S
     start_E = torch.cumsum(counts_E, 0) - counts_E
     rank_in_expert_S = pos_S - start_E[ids_S]
     sent_E = counts_E.clamp(max=capacity)
     sent_start_E = torch.cumsum(sent_E, 0) - sent_E
     dest_S = torch.where(rank_in_expert_S < capacity, sent_start_E[ids_S] + rank_in_expert_S,
                          torch.full_like(rank_in_expert_S, -1))
-    return dest_S.view(T, K), sent_E
+    return dest_S.view(T, K), sent_E, order_S
 
 
-def _regroup_dest(recv_counts_WL: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """[R, 1]: where each received row (source-rank-major) goes in local-expert-major order.
+def _kept_slots(dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``slot_N``: the slot filling each of the ``num_rows`` rows (the inverse of ``dest_TK``).
 
-    Example: W = 2, L = 2, recv_counts ``[[1, 2], [3, 0]]`` (rank 0 sent 1 row for expert 0
-    and 2 for expert 1; rank 1 sent 3 for expert 0) -> received ``[a, b1, b2, c1, c2, c3]``
-    regrouped to ``[a, c1, c2, c3, b1, b2]``: dest ``[0, 4, 5, 1, 2, 3]``.
+    A scatter with the dropped slots sent to a spare last entry: no boolean mask, so no
+    data-dependent size (no host sync on a GPU).
     """
-    W, L = recv_counts_WL.shape
-    dev = recv_counts_WL.device
-    c_WL = recv_counts_WL.reshape(-1)
-    seg_R = torch.repeat_interleave(torch.arange(W * L, device=dev), c_WL, output_size=num_rows)
-    start_WL = torch.cumsum(c_WL, 0) - c_WL
-    c_LW = recv_counts_WL.t().reshape(-1)
-    start_LW = (torch.cumsum(c_LW, 0) - c_LW).view(L, W)
-    offset_R = torch.arange(num_rows, device=dev) - start_WL[seg_R]
-    dest_R = start_LW[seg_R % L, seg_R // L] + offset_R
-    return dest_R.view(num_rows, 1)
+    dest_S = dest_TK.reshape(-1)
+    S = dest_S.numel()
+    slots = torch.empty(S + 1, dtype=torch.int64, device=dest_S.device)
+    slots.scatter_(0, torch.where(dest_S >= 0, dest_S, S), torch.arange(S, device=dest_S.device))
+    return slots[:num_rows]
+

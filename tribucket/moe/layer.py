@@ -284,7 +284,7 @@ class MoELayer(nn.Module):
             y_TD = disp.unpermute(back_ND, meta)
 
         self.aux_loss = self._aux_loss(logits_TE, probs_TE, meta.counts_E)
-        self.stats = MoEStats(tokens_per_expert=tuple(meta.counts_E.tolist()),
+        self.stats = MoEStats(tokens_per_expert=meta.counts_host,
                               tokens_received=meta.tokens_per_expert,
                               dropped=meta.num_dropped, capacity=meta.capacity,
                               shadowed=tuple(sorted(shadowed)))

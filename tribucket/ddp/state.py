@@ -1,20 +1,11 @@
-"""The reducer's per-iteration bookkeeping: bucket states, one backward pass, its figures."""
+"""The reducer's per-iteration state: one backward pass, and the figures it reports."""
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 __all__ = ["ReducerStats"]
-
-
-class _BucketState(enum.IntEnum):
-    PENDING = 0   # waiting for gradients
-    READY = 1     # every gradient is in; waits for earlier buckets to be launched
-    LAUNCHED = 2  # packed and handed to the hook / allreduce; result in flight
-    DONE = 3      # result arrived
 
 
 @dataclass
@@ -45,29 +36,31 @@ class ReducerStats:
         return dict(self.__dict__)
 
 
-class _Pass:
-    """One backward pass of the model, from its first gradient to the engine callback."""
+class Pass:
+    """One backward pass of the model, from its first gradient to the engine callback.
 
-    __slots__ = ("sync", "ready", "fired", "pending", "state", "next_bucket", "handles",
-                 "t_start", "callback_queued", "any_ready", "t_launch", "bytes", "errors",
-                 "scale", "prefix", "chunk_next", "shadow", "status_errors")
+    Per-bucket state (pending counts, in-flight handle) lives in the bucket objects; this
+    holds what is per parameter or per pass.
+    """
 
-    def __init__(self, sync: bool, n_params: int, pending: list[int]):
+    __slots__ = ("sync", "ready", "fired", "next_bucket", "t_start", "callback_queued",
+                 "any_ready", "bytes", "errors", "scale", "shadow", "status_errors",
+                 "record_order", "iteration", "plain")
+
+    def __init__(self, sync: bool, n_params: int, iteration: int):
         self.sync = sync                       # False: no_sync, gradients stay local
-        self.ready = bytearray(n_params)       # parameter i's gradient is in its bucket slot
+        self.iteration = iteration             # backward passes begun, equal on every rank
+        self.ready = bytearray(n_params)       # parameter i's gradient is counted in its bucket
         self.fired = [0] * n_params            # gradient hooks seen per parameter
-        self.pending = list(pending)           # per bucket: parameters not yet ready
-        self.state = [_BucketState.PENDING] * len(pending)  # per bucket state (module doc)
         self.next_bucket = 0                   # every bucket before this one is launched
-        self.handles: list[Any] = [None] * len(pending)  # per bucket: Work or Future
         self.t_start = time.perf_counter()     # backward start (output grad_fn or first hook)
         self.callback_queued = False           # the end-of-backward callback is queued
         self.any_ready = False                 # some parameter hook fired in this pass
-        self.t_launch = [0.0] * len(pending)   # per bucket launch time (debug stats)
         self.bytes = 0                         # bytes handed to collectives
         self.errors: list[str] = []            # misuse found during backward, raised at the end
         self.scale = 1.0                       # pre-division fused into the pack (1/world)
-        self.prefix = [0] * len(pending)       # per bucket: leading parameters all ready
-        self.chunk_next = [0] * len(pending)   # per bucket: next chunk to send (chunked)
         self.shadow = False                    # a Join shadow pass: zeros, no problems
         self.status_errors = 0                 # errors already reported in the status
+        self.record_order = False              # append ready parameters to the rebuild order
+        self.plain = False                     # a gradient needs only to be counted in:
+        # synced, first gradient seen, no hook counts, no used map, no order to record

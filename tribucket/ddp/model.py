@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._tags import is_expert_parallel
+from .._tags import is_expert_parallel
 
 __all__ = ["ModelView", "inspect_model", "verify_across_ranks"]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import Bucket
+from ..layout import Bucket
 
 __all__ = ["BucketMemory"]
 
@@ -32,7 +32,8 @@ def _use_count(t: torch.Tensor) -> int:
 class BucketMemory:
     __slots__ = ("bucket", "params", "dtype", "plan", "always_view", "transfer", "active",
                  "lent", "eager", "_ptr_offsets", "_contiguous", "_gaps", "_base_count",
-                 "_mode", "_copied", "_checked", "_checked_unpack", "tail")
+                 "_mode", "_copied", "_checked", "_checked_unpack", "tail", "_dense",
+                 "_packed")
 
     def __init__(self, bucket: Bucket, params: list[torch.Tensor], wire_dtype: torch.dtype,
                  plan, always_view: bool, eager: bool = False, tail: int = 0):
@@ -60,6 +61,10 @@ class BucketMemory:
         self._mode = None                  # this pass: None, "copy" (eager) or "inplace"
         self._copied = bytearray(len(params))  # this pass: slot already holds its gradient
         self._checked = self._checked_unpack = False  # the kernels validated our tensors once
+        # every parameter contiguous and the slots back to back from 0: the whole bucket is
+        # lent with one C++ call (unflatten_dense_tensors) instead of a view per parameter
+        self._dense = all(self._contiguous) and self._gaps is None and not always_view
+        self._packed = False  # this pass: packed by one plan call into a buffer no .grad views
 
     @staticmethod
     def _gap_index(bucket: Bucket) -> torch.Tensor | None:
@@ -183,18 +188,31 @@ class BucketMemory:
                 found_inf.fill_(1.0)
             return lent
         buf = self._acquire()
-        # the kernels take dense, contiguous sources (a channels_last gradient is copied)
-        grads = [g if g is None or g.is_contiguous() else g.contiguous() for g in grads]
+        if not self._dense:
+            # the kernels take dense, contiguous sources (a channels_last gradient is copied);
+            # a contiguous parameter's gradient is contiguous (autograd's layout contract)
+            grads = [g if g is None or g.is_contiguous() else g.contiguous() for g in grads]
+        self._packed = True
         self.plan.pack(grads, self.body(buf), scale=scale, found_inf=found_inf,
                        check=not self._checked)
         self._checked = True  # same tensors every iteration: validate them once
         return buf
 
-    def finish(self, result: torch.Tensor, targets: list[bool]) -> None:
-        """Make ``result`` (the reduced bucket) the gradients of the ``targets`` params."""
+    def finish(self, result: torch.Tensor, targets: list[bool], all_targets: bool = False) -> None:
+        """Make ``result`` (the reduced bucket) the gradients of the ``targets`` params
+        (``all_targets``: every parameter is a target)."""
         buf = self.active
+        packed, self._packed = self._packed, False
         if self.transfer and buf is not None and result.data_ptr() == buf.data_ptr() \
                 and result.dtype == buf.dtype:
+            if packed and self._dense and all_targets:
+                # a fresh (or free) buffer no gradient views yet: lend it whole, in one call
+                views = torch._C._nn.unflatten_dense_tensors(self.body(buf), self.params)
+                for q, v in zip(self.params, views):
+                    q.grad = v
+                self.lent, self.active = buf, None
+                self.plan.forget(self.body(buf))
+                return
             for k, q in enumerate(self.params):
                 if not targets[k]:
                     continue  # unused on every rank: .grad is left as it was
@@ -215,7 +233,7 @@ class BucketMemory:
             return
         if self.always_view and buf is not None and result.numel() == self.bucket.numel:
             self.body(buf).copy_(result)  # a hook returned another tensor: the bucket backs .grad
-            self.finish(buf, targets)
+            self.finish(buf, targets, all_targets)
             return
         grads, strided = [], []
         for k, q in enumerate(self.params):
@@ -233,6 +251,14 @@ class BucketMemory:
         for g, k in strided:
             off, n = self.bucket.offsets[k], self.bucket.sizes[k]
             g.copy_(result.narrow(0, off, n).view(g.shape))
+
+    def zeros(self) -> torch.Tensor:
+        """The buffer this pass sends, all zeros (a Join shadow pass)."""
+        buf = self.active
+        if buf is None:
+            buf = self.active = self._new_buffer()
+        buf.zero_()
+        return buf
 
     def reset(self) -> None:
         self.active = self.lent = None

@@ -6,10 +6,10 @@ from typing import Any, Callable
 
 import torch
 
-from .grad_bucket import GradBucket
-from .layout import Bucket
+from ..grad_bucket import GradBucket
+from ..layout import Bucket
 
-__all__ = ["HookRef", "SparseWork", "hook_name", "invoke", "invoke_after", "check_result"]
+__all__ = ["HookRef", "hook_name", "invoke", "invoke_after", "check_result"]
 
 
 def hook_name(hook: Callable | None) -> str:
@@ -87,18 +87,6 @@ def check_result(hook: Callable | None, b: int, bucket: Bucket, value: Any) -> t
     return value.reshape(-1)
 
 
-class SparseWork:
-    """The allreduce of a sparse gradient: its result is a new tensor, not the input."""
-
-    __slots__ = ("work",)
-
-    def __init__(self, work):
-        self.work = work
-
-    def wait(self):
-        return self.work.wait()
-
-
 class HookRef:
     """A hook the reducer installs on the model, its parameters or autograd nodes.
 
@@ -107,16 +95,22 @@ class HookRef:
     gives the copy an inert hook instead of a copy of the reducer.
     """
 
-    __slots__ = ("reducer", "method", "args")
+    __slots__ = ("fn", "method", "args")
 
     def __init__(self, reducer: Any, method: str, args: tuple = ()):
-        self.reducer, self.method, self.args = reducer, method, args
+        self.method, self.args = method, args
+        # the bound method, resolved once (a hook on every parameter is called per gradient)
+        self.fn = getattr(reducer, method) if reducer is not None else None
+
+    def detach(self) -> None:
+        """Cut the link to the reducer: the hook does nothing from now on."""
+        self.fn = None
 
     def __call__(self, *a: Any) -> Any:
-        r = self.reducer
-        if r is None:
+        fn = self.fn
+        if fn is None:
             return None
-        return getattr(r, self.method)(*self.args, *a)
+        return fn(*self.args, *a)
 
     def __deepcopy__(self, memo: dict) -> "HookRef":
         return HookRef(None, self.method)

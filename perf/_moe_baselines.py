@@ -1,0 +1,370 @@
+"""The MoE layers users pick today, built on the same experts, router and tokens as MoELayer.
+
+Shape legend: T tokens per rank, D model dim, F expert hidden dim, E experts, K top-k,
+L experts per rank, W ranks.
+
+Every system gets the same weights: a bias-free router ``Linear(D, E)`` and, per global
+expert ``e``, a SwiGLU FFN ``y = (silu(x W1ᵀ) · x W3ᵀ) W2ᵀ`` with ``W1, W3: [F, D]`` and
+``W2: [D, F]`` (torchtitan's expert; DeepSpeed and tribucket take it as a module). Gate math
+is top-k of the softmax, renormalised over the k chosen (torchtitan ``route_norm=True``,
+DeepSpeed's top-2 gate, tribucket's default for k > 1).
+
+* :func:`tribucket_layer` — ``tribucket.moe.MoELayer``;
+* :func:`deepspeed_layer` — ``deepspeed.moe.layer.MoE`` (``DS_ACCELERATOR=cpu``, gloo),
+  ``drop_tokens=False`` for dropless, ``use_rts=False`` and ``top2_2nd_expert_sampling=False``
+  so routing is deterministic; k must be 1 or 2 (DeepSpeed has no top-k beyond 2);
+* :func:`torchtitan_layer` — torchtitan's ``MoE`` (router, ``AllToAllTokenDispatcher``,
+  ``GroupedExperts`` on ``torch._grouped_mm``) with the ``partial_dtensor`` backend (plain
+  tensors and autograd-aware functional all-to-alls, which take uneven splits). Its grouped
+  experts cast to bf16 upstream; here they compute in fp32 like the other two (the same
+  ``_grouped_mm`` calls without the casts), or the outputs could not be checked equal.
+  torchtitan has no capacity factor: it is dropless only.
+
+Each builder returns a module mapping ``x_TD -> y_TD`` or raises :class:`Unavailable` with
+the reason (package not installed, unsupported option).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F_
+from torch import nn
+
+__all__ = ["SwiGLU", "Unavailable", "tribucket_layer", "deepspeed_layer", "torchtitan_layer",
+           "make_weights", "external_worker", "external_table", "external_plot", "SIZES"]
+
+
+class Unavailable(Exception):
+    """A baseline cannot run here (the message says why and how to get it)."""
+
+
+class SwiGLU(nn.Module):
+    """One expert: ``(silu(x W1ᵀ) · x W3ᵀ) W2ᵀ``, no biases."""
+
+    def __init__(self, w1_FD: torch.Tensor, w2_DF: torch.Tensor, w3_FD: torch.Tensor):
+        super().__init__()
+        self.w1 = nn.Linear(w1_FD.shape[1], w1_FD.shape[0], bias=False)
+        self.w2 = nn.Linear(w2_DF.shape[1], w2_DF.shape[0], bias=False)
+        self.w3 = nn.Linear(w3_FD.shape[1], w3_FD.shape[0], bias=False)
+        with torch.no_grad():
+            self.w1.weight.copy_(w1_FD)
+            self.w2.weight.copy_(w2_DF)
+            self.w3.weight.copy_(w3_FD)
+
+    def forward(self, x):
+        return self.w2(F_.silu(self.w1(x)) * self.w3(x))
+
+
+def make_weights(d_model: int, hidden: int, num_experts: int, seed: int = 0) -> dict:
+    """Router ``[E, D]`` and every expert's ``w1 [E, F, D]``, ``w2 [E, D, F]``, ``w3``."""
+    g = torch.Generator().manual_seed(seed)
+    s_in, s_hid = d_model ** -0.5, hidden ** -0.5
+    return dict(router_ED=torch.randn(num_experts, d_model, generator=g) * s_in,
+                w1_EFD=torch.randn(num_experts, hidden, d_model, generator=g) * s_in,
+                w2_EDF=torch.randn(num_experts, d_model, hidden, generator=g) * s_hid,
+                w3_EFD=torch.randn(num_experts, hidden, d_model, generator=g) * s_in)
+
+
+def _local(weights: dict, rank: int, L: int) -> list[SwiGLU]:
+    sl = slice(rank * L, (rank + 1) * L)
+    return [SwiGLU(a, b, c) for a, b, c in zip(weights["w1_EFD"][sl], weights["w2_EDF"][sl],
+                                               weights["w3_EFD"][sl])]
+
+
+def _router(weights: dict) -> nn.Linear:
+    E, D = weights["router_ED"].shape
+    r = nn.Linear(D, E, bias=False)
+    with torch.no_grad():
+        r.weight.copy_(weights["router_ED"])
+    return r
+
+
+def tribucket_layer(weights: dict, *, top_k: int, capacity_factor: float | None, **kw) -> nn.Module:
+    from tribucket.moe import MoELayer
+
+    E, D = weights["router_ED"].shape
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layer = MoELayer(_local(weights, rank, E // world), E, D, top_k=top_k, router=_router(weights),
+                     capacity_factor=capacity_factor, **kw)
+    return layer
+
+
+class _DeepSpeedWrap(nn.Module):
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x_TD):
+        return self.moe(x_TD)[0]  # (output, l_aux, exp_counts)
+
+
+def deepspeed_layer(weights: dict, *, top_k: int, capacity_factor: float | None) -> nn.Module:
+    if os.environ.get("DS_ACCELERATOR") != "cpu":
+        raise Unavailable("set DS_ACCELERATOR=cpu before deepspeed is imported")
+    try:
+        import deepspeed
+        from deepspeed.moe.layer import MoE
+    except ImportError as e:
+        raise Unavailable(f"deepspeed is not installed ({e}); pip install 'tribucket[bench]'")
+    if top_k > 2:
+        raise Unavailable(f"DeepSpeed's gate supports top_k 1 or 2, not {top_k}")
+    deepspeed.init_distributed(dist_backend="gloo")
+    E, D = weights["router_ED"].shape
+    rank, world = dist.get_rank(), dist.get_world_size()
+    L = E // world
+    experts = _local(weights, rank, L)
+    moe = MoE(D, experts[0], num_experts=E, ep_size=world, k=top_k,
+              capacity_factor=capacity_factor or 1.0, eval_capacity_factor=capacity_factor or 1.0,
+              min_capacity=0, drop_tokens=capacity_factor is not None, use_rts=False,
+              top2_2nd_expert_sampling=False)
+    moe.set_deepspeed_parallelism()
+    with torch.no_grad():
+        moe.deepspeed_moe.gate.wg.weight.copy_(weights["router_ED"])
+        for mine, src in zip(moe.deepspeed_moe.experts.deepspeed_experts, experts):
+            mine.load_state_dict(src.state_dict())
+    return _DeepSpeedWrap(moe)
+
+
+def torchtitan_layer(weights: dict, *, top_k: int, capacity_factor: float | None) -> nn.Module:
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torchtitan.distributed.utils import set_spmd_backend
+        from torchtitan.models.common.linear import Linear
+        from torchtitan.models.common.moe import MoE, GroupedExperts, RoutedExperts, TokenChoiceTopKRouter
+        from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+    except ImportError as e:
+        raise Unavailable(f"torchtitan is not installed ({e}); pip install 'tribucket[bench]'")
+    if capacity_factor is not None:
+        raise Unavailable("torchtitan's MoE is dropless only (no capacity factor)")
+
+    class FP32GroupedExperts(GroupedExperts):
+        """torchtitan's grouped experts without the bf16 casts (same _grouped_mm calls)."""
+
+        def forward(self, x_RD, num_tokens_per_expert_E):
+            offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+            h = F_.silu(torch._grouped_mm(x_RD, self.w1_EFD.transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(x_RD, self.w3_EFD.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, self.w2_EDF.transpose(-2, -1), offs=offs)
+
+    class FP32GroupedExpertsConfig(GroupedExperts.Config):
+        def build(self, **kwargs):
+            return FP32GroupedExperts(self)
+
+    set_spmd_backend("partial_dtensor")
+    E, D = weights["router_ED"].shape
+    Fh = weights["w1_EFD"].shape[1]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    L = E // world
+    cfg = MoE.Config(
+        num_experts=E, load_balance_coeff=None,
+        routed_experts=RoutedExperts.Config(
+            inner_experts=FP32GroupedExpertsConfig(dim=D, hidden_dim=Fh, num_experts=L),
+            token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=E, top_k=top_k)),
+        router=TokenChoiceTopKRouter.Config(
+            num_experts=E, gate=Linear.Config(in_features=D, out_features=E), top_k=top_k,
+            score_func="softmax", route_norm=top_k > 1))
+    moe = cfg.build()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    sl = slice(rank * L, (rank + 1) * L)
+    inner = moe.routed_experts.inner_experts
+    with torch.no_grad():
+        moe.router.gate.weight.copy_(weights["router_ED"])
+        inner.w1_EFD.copy_(weights["w1_EFD"][sl])
+        inner.w2_EDF.copy_(weights["w2_EDF"][sl])
+        inner.w3_EFD.copy_(weights["w3_EFD"][sl])
+    return _TorchtitanWrap(moe)
+
+
+class _TorchtitanWrap(nn.Module):
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x_TD):
+        return self.moe(x_TD.unsqueeze(0)).squeeze(0)  # it takes [B, L, D]
+
+
+# -- the comparison run (perf/bench_moe.py --part external) ------------------------------
+#: the issue's two sizes: the demo's layer, and a wider one
+SIZES = {"demo (D 64, F 128, 2 experts/rank, 2048 tokens/rank)": dict(D=64, F=128, L=2, T=2048),
+         "wide (D 256, F 1024, 4 experts/rank, 4096 tokens/rank)": dict(D=256, F=1024, L=4, T=4096)}
+TOP_K = 2
+BUILDERS = {"tribucket MoELayer": tribucket_layer, "DeepSpeed MoE": deepspeed_layer,
+            "torchtitan MoE": torchtitan_layer}
+
+
+def _kept_slots_deepspeed(layer: nn.Module) -> list:
+    """A forward hook's box: token-slots DeepSpeed's gate kept (the gate's output is
+    ``(l_aux, C, E, indices, locations, gates, exp_counts)``; a dropped slot's gate is 0)."""
+    box = []
+    layer.moe.deepspeed_moe.gate.register_forward_hook(
+        lambda _m, _i, out: box.append(sum(int(torch.count_nonzero(g)) for g in out[5])))
+    return box
+
+
+def external_worker(rank: int, world: int, init_file: str, args, queue) -> None:
+    """One (size, capacity) configuration on ``world`` gloo ranks: check, then time interleaved."""
+    import statistics
+    import time
+
+    try:
+        from _moe_counts import count_step
+    except ImportError:  # pragma: no cover - imported as perf._moe_baselines
+        from perf._moe_counts import count_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    size, cf, steps, warmup = args.ext_size, args.ext_capacity, args.ext_steps, args.ext_warmup
+    s = SIZES[size]
+    E = s["L"] * world
+    weights = make_weights(s["D"], s["F"], E)
+    systems, skipped = {}, {}
+    for name, build in BUILDERS.items():
+        try:
+            systems[name] = build(weights, top_k=TOP_K, capacity_factor=cf)
+        except Unavailable as why:
+            skipped[name] = str(why)
+    g = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(s["T"], s["D"], generator=g)
+    gy = torch.randn(s["T"], s["D"], generator=g)
+    ref = "tribucket MoELayer"
+    ds_kept = _kept_slots_deepspeed(systems["DeepSpeed MoE"]) if "DeepSpeed MoE" in systems else None
+
+    def run(m):
+        xs = x.clone().requires_grad_()
+        m.zero_grad(set_to_none=True)
+        y = m(xs)
+        (y * gy).sum().backward()
+        return y.detach(), xs.grad
+
+    # the check: the same y and dL/dx; with a capacity, the same number of kept slots, and
+    # the same y only where no slot was dropped (DeepSpeed drops second choices first,
+    # tribucket the latest tokens: different slots go once some must)
+    check = {}
+    outs = {name: run(m) for name, m in systems.items()}
+    dropped = systems[ref].stats.dropped
+    for name, (y, gx) in outs.items():
+        if name == ref:
+            continue
+        if cf is not None:
+            kept = TOP_K * s["T"] - dropped
+            assert ds_kept[-1] == kept, f"DeepSpeed kept {ds_kept[-1]} token-slots, tribucket {kept}"
+            check[name] = f"same token-slots kept ({kept} of {TOP_K * s['T']} on rank {rank})"
+            if dropped:
+                check[name] += "; not the same ones (DeepSpeed drops second choices first)"
+                continue
+        err = max(float((y - outs[ref][0]).abs().max()), float((gx - outs[ref][1]).abs().max()))
+        assert err < 1e-4, f"{name} computes another function than {ref}: max error {err:.3g}"
+        check[name] = ((check[name] + "; ") if name in check else "") + (
+            f"y and dL/dx equal to tribucket's (max abs diff {err:.1e})")
+    counts = {name: count_step(lambda m=m: run(m)) for name, m in systems.items()}
+
+    wall = {name: [] for name in systems}
+    cpu = {name: [] for name in systems}
+    for step in range(warmup + steps):
+        for name, m in systems.items():
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            run(m)
+            c = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+            dist.barrier()
+            t = time.perf_counter() - t0
+            dist.all_reduce(c)  # CPU seconds of every rank's process (gloo's threads included)
+            if step >= warmup:
+                wall[name].append(t)
+                cpu[name].append(float(c))
+    if rank == 0:
+        rows = []
+        for name in systems:
+            rows.append(dict(system=name, step_ms=1e3 * statistics.median(wall[name]),
+                             cpu_ms=1e3 * statistics.median(cpu[name]),
+                             steps_ms=[1e3 * t for t in wall[name]],
+                             cpu_steps_ms=[1e3 * t for t in cpu[name]],
+                             tokens_per_s=world * s["T"] / statistics.median(wall[name]),
+                             check=check.get(name, "reference" if name == ref else "not checked"),
+                             **{k: counts[name][k] for k in ("collectives", "collectives_total",
+                                                             "host_syncs", "aten_ops")}))
+        for r in rows:  # tribucket's step over each system's, paired step by step
+            r["tribucket_speedup"] = statistics.median(
+                b / a for a, b in zip(wall[ref], wall[r["system"]]))
+            r["tribucket_cpu_speedup"] = statistics.median(
+                b / a for a, b in zip(cpu[ref], cpu[r["system"]]))
+        queue.put((rank, dict(rows=rows, skipped=skipped)))
+    else:
+        queue.put((rank, None))
+    dist.destroy_process_group()
+
+
+def _collectives(row: dict) -> int:
+    """Collectives of one step from the counts by name (functional-collective wrappers such as
+    ``_wrap_tensor_autograd`` are not communication)."""
+    return sum(n for name, n in row["collectives"].items()
+               if name.startswith(("all_", "reduce", "broadcast", "batch_isend", "send", "recv",
+                                   "isend", "irecv")))
+
+
+def external_table(result) -> str:
+    c, m = result["config"], result["machine"]
+    lines = [
+        f"MoE layer forward+backward against DeepSpeed's and torchtitan's MoE, "
+        f"{c['world_size']} gloo ranks x 1 thread ({m['cores']}-core CPU shared with other jobs, "
+        f"torch {m['torch']}), top-{c['top_k']} of a softmax router, SwiGLU experts, fp32; same "
+        f"router and expert weights, same tokens. Systems interleaved step by step; step = wall "
+        f"time between barriers (the slowest rank), median over the measured steps; CPU = CPU "
+        f"seconds of both ranks' processes in the step (steadier than wall time on a loaded "
+        f"machine). Speed-up: the median over steps of (their step / tribucket's step), paired "
+        f"in the same round. Collectives, host reads and ATen ops: one forward+backward, one rank.",
+        "",
+        "| size | capacity | system | step (ms) | tokens/s | tribucket speed-up (wall) | "
+        "CPU (ms) | tribucket speed-up (CPU) | collectives | host reads | ATen ops | load avg |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for run in result["runs"]:
+        cap = "dropless" if run["capacity_factor"] is None else f"factor {run['capacity_factor']}"
+        load = f"{run['load_avg_1min']['before']:.1f}-{run['load_avg_1min']['after']:.1f}"
+        for r in run["rows"]:
+            lines.append(
+                f"| {run['size'].split(' (')[0]} | {cap} | {r['system']} | {r['step_ms']:.1f} | "
+                f"{r['tokens_per_s']:,.0f} | {r['tribucket_speedup']:.2f}x | {r['cpu_ms']:.1f} | "
+                f"{r['tribucket_cpu_speedup']:.2f}x | {_collectives(r)} | {r['host_syncs']} | "
+                f"{r['aten_ops']} | {load} |")
+        for name, why in run["skipped"].items():
+            lines.append(f"| {run['size'].split(' (')[0]} | {cap} | {name} | skipped: {why} "
+                         f"| | | | | | | | |")
+    lines += ["", "Sizes: " + "; ".join(f"{k.split(' (')[0]} = {k.split(' (')[1][:-1]}"
+                                       for k in SIZES) + "."]
+    lines += ["", "Checked before timing, against tribucket's layer:"]
+    for run in result["runs"]:
+        cap = "dropless" if run["capacity_factor"] is None else f"factor {run['capacity_factor']}"
+        for r in run["rows"][1:]:
+            lines.append(f"- {run['size'].split(' (')[0]}, {cap}, {r['system']}: {r['check']}")
+    t = result["targets"]
+    lines += ["", "Target: tribucket >= 1.1x the tokens/s of both baselines at both sizes, "
+              "dropless: " + "; ".join(f"{k}: {v['value']:.2f}x ({'met' if v['met'] else 'NOT met'})"
+                                       for k, v in t.items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def external_plot(result, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    fig, axes = plt.subplots(1, len(runs), figsize=(3.4 * len(runs), 3.2))
+    for ax, run in zip(axes if len(runs) > 1 else [axes], runs):
+        names = [r["system"].replace(" ", "\n", 1) for r in run["rows"]]
+        vals = [r["tokens_per_s"] for r in run["rows"]]
+        ax.bar(range(len(vals)), vals, color=["#27a", "#999", "#4a7"][:len(vals)])
+        ax.set_xticks(range(len(vals)), names, fontsize=7)
+        cap = "dropless" if run["capacity_factor"] is None else f"capacity {run['capacity_factor']}"
+        ax.set_title(f"{run['size'].split(' (')[0]}, {cap}", fontsize=9)
+        ax.tick_params(axis="y", labelsize=7)
+    (axes[0] if len(runs) > 1 else axes).set_ylabel("tokens/s, forward+backward")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

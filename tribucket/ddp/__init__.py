@@ -1,0 +1,24 @@
+"""Data parallelism: the reducer that averages gradients across ranks, one bucket at a time.
+
+Files, in the order one gradient meets them:
+
+* ``backward.py``: the post-accumulate-grad hook marks the gradient ready and counts it down
+  in its bucket; complete buckets are launched in bucket order; the end of backward;
+* ``bucket.py``: one object per bucket: pack, communicate (allreduce or comm hook), wait,
+  finish (the averaged buffer becomes ``.grad``);
+* ``memory.py``: a bucket's buffers and the ``.grad`` views lent out of them;
+* ``tribucket.kernels``: the fused pack/unpack.
+
+Around them: ``reducer.py`` (the public ``Reducer``: attaching, ``no_sync``, comm hooks,
+``close``), ``state.py`` (one backward pass, ``ReducerStats``), ``status.py`` (the
+end-of-backward agreement), ``rebuild.py`` (which layout), ``join.py`` (uneven inputs),
+``resume.py`` (checkpoints), ``model.py`` (which parameters, the same on every rank),
+``watchdog.py`` (timeouts, debug fingerprints), ``hookcall.py`` (calling comm hooks),
+``graph.py`` (which parameters a forward reached), ``compat.py`` (DDP's spellings:
+``join()``, the options as attributes, ``logging_data()``).
+"""
+
+from .reducer import Reducer, fused_bucketing
+from .state import ReducerStats
+
+__all__ = ["Reducer", "ReducerStats", "fused_bucketing"]

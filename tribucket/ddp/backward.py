@@ -1,0 +1,424 @@
+"""The backward pass of the data-parallel reducer: what spans buckets.
+
+The path of one gradient: ``bucket.GradHook`` (the post-accumulate-grad hook of every
+parameter) marks it ready and counts it down in its bucket, nothing more in the common
+case; when a bucket's count reaches zero and every earlier bucket is launched, the bucket
+(``bucket.py``) is packed in one call (``memory.py`` into ``tribucket.kernels``) and
+communicated; at the end of backward each bucket waits for its result and lends it back as
+``.grad`` views of the averaged buffer.
+
+Buckets are launched strictly in bucket order on every rank, so every rank issues the same
+collectives in the same order. The end of backward is an autograd-engine callback, queued
+from a pre-hook on the forward output's ``grad_fn`` (so it belongs to the outermost backward
+even under reentrant checkpointing) or, failing that, from the first gradient hook. There
+the status (``status.py``) tells every rank whether any rank missed gradients (and, for
+fp16 hooks, overflowed), so an error is raised on every rank instead of leaving one waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .. import kernels
+from .._shard import shard_buckets
+from ..config import ReducerConfig
+from ..layout import BucketLayout
+from .bucket import BucketState, Comm, DenseBucket, GradHook, SparseBucket
+from .compat import CommTimings
+from .join import JoinFlags
+from .memory import BucketMemory
+from .rebuild import DDP_ALIGN_BYTES, LayoutPolicy
+from .shard import ShardedBucket, ShardGrads
+from .state import Pass, ReducerStats
+from .status import Status, second_gradient_error, static_graph_error
+from .watchdog import CommGuard
+
+__all__ = ["Backward"]
+
+logger = logging.getLogger("tribucket")
+
+# Alignment of each gradient inside a bucket for tribucket's own paths on GPU (16 bytes lets
+# the kernels use 128-bit accesses). Generic comm hooks, and the CPU, get DDP's unpadded
+# buffers.
+_ALIGN_BYTES = 16
+
+#: CPU, ``pack_on_ready=None``: a bucket whose gradients average at least this many bytes
+#: copies each gradient in as it becomes ready (it is still in cache, and the bucket is
+#: packed when its last gradient lands); a bucket of smaller ones is packed in one call when
+#: complete (per-gradient Python work costs more than the cache saves).
+_EAGER_MIN_BYTES = 64 * 1024
+
+
+class Backward:
+    """The cross-bucket order and the end of backward of one reducer.
+
+    Its inputs are passed in; the fields below are read and written by the
+    :class:`~tribucket.ddp.reducer.Reducer` that owns it (forward hooks, ``no_sync``,
+    ``state_dict``) and by nothing else.
+    """
+
+    def __init__(self, config: ReducerConfig, params: list[torch.Tensor], names: list[str],
+                 expect_sparse: list[bool], guard: CommGuard, comm: Comm,
+                 join_flags: JoinFlags, device: torch.device):
+        self.config, self.params, self.names = config, params, names
+        self.guard, self.comm, self.join_flags, self.device = guard, comm, join_flags, device
+        self.world_size, self.rank = guard.world_size, guard.rank
+        self.policy = LayoutPolicy(config, params, expect_sparse)
+        self.status = Status(guard, self.rank, self.world_size, len(params), device,
+                             config.needs_used_map)
+        self.layout: BucketLayout = self.policy.initial()
+        self.buckets: list[DenseBucket | SparseBucket] = []  # built at the first backward
+        self.slot: list = []                   # parameter -> (its bucket, position in it)
+        self.allocated = False                 # buckets match layout and hook
+        self.piggyback = False                 # the status rides on the last bucket
+        self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        self.found_inf_arg = None              # found_inf when the hook checks overflow
+        self.stats = ReducerStats(buckets=len(self.layout.buckets))
+        self.timings = CommTimings()           # every averaged backward (logging_data)
+        self.pass_: Pass | None = None         # the backward pass in progress
+        self.sync_enabled = True               # False inside no_sync()
+        self.fwd_sync: bool | None = None      # decision of the last grad-enabled forward
+        self.unused: list[int] = []            # parameters the last forward did not reach
+        self.static_counts: list[int] | None = None  # static_graph: hooks per parameter
+        self.static_used: list | None = None   # static_graph: global used map
+        self.ready_order: list[int] = []       # first synced pass: gradient-ready order
+        self.rebuilt = False
+        self.passes = 0                        # backward passes begun (synced or not): the
+        # iteration number that fingerprints and failure reports use, equal on every rank
+        self.join_work = None                  # Join: the notify allreduce (ranks active)
+        self.closed = False
+        # the per-gradient hook's short path applies: no hook counts, no order recorded
+        self._plain = not (config.static_graph or config.find_unused_parameters)
+        #: the post-accumulate-grad hook of each parameter (the reducer registers them)
+        self.grad_hooks = [GradHook(self, i) for i in range(len(params))]
+        #: shard_optimizer: this rank's slice of every bucket, and the averaged slices
+        self.shards, self.shard_grads = None, None
+        if config.shard_optimizer:
+            self._init_shards(expect_sparse)
+
+    def _init_shards(self, expect_sparse: list[bool]) -> None:
+        sparse = [self.names[i] for i, s in enumerate(expect_sparse) if s]
+        if sparse:
+            raise ValueError(f"shard_optimizer=True does not support sparse gradients "
+                             f"(parameters {sparse} come from Embedding(sparse=True)); use "
+                             "dense embeddings or ignore_parameters for them")
+        self._align_layout()  # (GPU: 16 bytes) fixed now: the shards follow it
+        self.shards = shard_buckets(self.layout, self.world_size, self.rank)
+        self.shard_grads = ShardGrads(len(self.shards), len(self.params))
+
+    # ------------------------------------------------------------------ per gradient
+    def on_backward_start(self, grad_outputs):
+        if self.closed:
+            return None
+        p = self.pass_ if self.pass_ is not None else self._begin_pass()
+        if not p.callback_queued:
+            p.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
+        return None
+
+    def _begin_pass(self) -> Pass:
+        sync = self.fwd_sync if self.fwd_sync is not None else self.sync_enabled
+        self.fwd_sync = None
+        self.passes += 1
+        p = self.pass_ = Pass(sync, len(self.params), self.passes)
+        return p
+
+    def on_grad_ready(self, index: int) -> None:
+        """A gradient outside :class:`GradHook`'s common case: the first of a pass,
+        ``no_sync``, hook counts (``static_graph``), the used map, the rebuild order, misuse."""
+        p = self.pass_
+        if p is None:
+            p = self._begin_pass()
+        if not p.callback_queued:
+            p.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
+        if not p.sync:
+            return
+        p.fired[index] += 1
+        if not p.any_ready:
+            p.any_ready = True
+            self._first_gradient(p)
+        if self.config.static_graph:
+            counts = self.static_counts
+            if counts is None:
+                return  # first iteration of a static graph: everything launches at the end
+            if p.fired[index] != counts[index]:
+                if p.fired[index] > counts[index]:
+                    p.errors.append(static_graph_error(self.names[index], p.fired[index],
+                                                       counts[index]))
+                return
+        elif p.ready[index]:
+            p.errors.append(second_gradient_error(self.names[index], index in self.unused))
+            return  # recorded; raised on every rank at the end of backward, after the
+            # collectives, so no rank is left waiting
+        if p.record_order:
+            self.ready_order.append(index)  # gradient-ready order, for the rebuild
+        self._mark_ready(p, index)
+
+    def _first_gradient(self, p: Pass) -> None:
+        """The first parameter gradient of a synchronised pass: buckets, unused params."""
+        if not self.allocated:
+            self.allocate()
+        for bucket in self.buckets:
+            bucket.reset()
+        self.guard.mark_progress(p.iteration)
+        p.scale = 1.0 / self._divisor() if self.comm.traits.prescale else 1.0
+        if self.found_inf_arg is not None:
+            self.found_inf.zero_()  # the pack kernels only ever set it
+        cfg = self.config
+        p.record_order = (self.policy.may_rebuild(self.rebuilt)
+                          and (not cfg.static_graph or self.static_counts is not None))
+        # later gradients of this pass take GradHook's short path
+        p.plain = self._plain and not p.record_order
+        if cfg.static_graph and self.static_counts is None:
+            return
+        if cfg.static_graph or cfg.find_unused_parameters:
+            for i in self.unused:
+                self._mark_ready(p, i)
+
+    def _divisor(self) -> int:
+        """The world size, or under ``Join(divide_by_initial_world_size=False)`` the ranks
+        still training (the count the join notification allreduce produced)."""
+        work, self.join_work = self.join_work, None
+        if work is None or self.join_flags.divide_by_initial_world_size:
+            return self.world_size
+        self.guard.wait(work, "the Join notification", self.passes)
+        return max(1, int(work.result()[0].item()))
+
+    def _mark_ready(self, p: Pass, index: int) -> None:
+        self.grad_hooks[index].mark(p)
+
+    def bucket_complete(self, p: Pass, bucket) -> None:
+        """``bucket``'s last gradient is in: launch it, and those after it that are
+        complete, if every bucket before it is launched."""
+        bucket.state = BucketState.READY
+        if bucket.index == p.next_bucket:
+            self._advance(p)
+
+    def _advance(self, p: Pass) -> None:
+        """Launch every complete bucket whose predecessors are launched, in bucket order,
+        then the ready chunks of the first incomplete one."""
+        buckets, comm = self.buckets, self.comm
+        while p.next_bucket < len(buckets) and buckets[p.next_bucket].state == BucketState.READY:
+            buckets[p.next_bucket].launch(p, comm, self.found_inf_arg)
+            p.next_bucket += 1
+        if p.next_bucket < len(buckets) and buckets[p.next_bucket].chunked:
+            buckets[p.next_bucket].send_ready_chunks(p, comm)
+
+    # ------------------------------------------------------------------ buckets
+    def allocate(self) -> None:
+        """Build the buckets of the current layout for the current hook."""
+        cfg, traits = self.config, self.comm.traits
+        self._align_layout()
+        specs = self.layout.buckets
+        # the end-of-backward status rides at the end of the last bucket's allreduce when the
+        # reducer sends that allreduce itself (one collective fewer per iteration)
+        self.piggyback = (self.world_size > 1 and traits.chunkable and bool(specs)
+                          and not specs[-1].sparse and self.shards is None)
+        self.found_inf_arg = self.found_inf if traits.check_overflow else None
+        self.buckets, self.slot = [], [None] * len(self.params)
+        prev = None
+        for b, spec in enumerate(specs):
+            params = [self.params[i] for i in spec.indices]
+            last = b == len(specs) - 1
+            if spec.sparse:
+                bucket = SparseBucket(b, spec, params, last, self.names[spec.indices[0]])
+            else:
+                plan = kernels.BucketPlan(spec.sizes, spec.offsets, spec.numel, spec.device)
+                tail = self.status.length if self.piggyback and last else 0
+                if self.shards is not None:  # padding to equal slices
+                    tail = self.shards[b].padded_numel - spec.numel
+                mem = BucketMemory(spec, params, self._wire_dtype(spec.dtype), plan,
+                                   always_view=cfg.gradient_as_bucket_view,
+                                   eager=self._eager(spec), tail=tail)
+                if cfg.gradient_as_bucket_view and any(q.grad is not None for q in params):
+                    # (rebuild) carry the accumulated gradients over and view the new bucket
+                    buf = mem.pack([q.grad for q in params], 1.0, None)
+                    mem.finish(buf, [q.grad is not None for q in params])
+                if self.shards is not None:
+                    bucket = ShardedBucket(b, spec, params, last, mem, self.shards[b],
+                                           self.shard_grads, prev)
+                else:
+                    bucket = DenseBucket(b, spec, params, last, mem,
+                                         mem.chunk_bounds(cfg.comm_chunk_mb, traits.chunkable),
+                                         self._write_status_tail if tail else None, prev)
+            for k, i in enumerate(spec.indices):
+                self.slot[i] = (bucket, k)
+            self.buckets.append(bucket)
+            prev = bucket
+        self.allocated = True
+        self.stats.buckets = len(specs)
+        # the buffers one iteration needs (one per bucket, in its wire dtype); a gradient
+        # the user keeps across iterations holds on to an older buffer on top of this
+        self.stats.bucket_bytes_allocated = sum(b.mem.capacity_bytes() for b in self.buckets
+                                                if b.mem is not None)
+
+    def _align_layout(self) -> None:
+        align = self._align_bytes()
+        if align != self.layout.align_bytes:
+            encoded = self.layout.to_tensor().clone()
+            encoded[2] = align
+            self.layout = BucketLayout.from_tensor(encoded, self.params)
+
+    def _eager(self, spec) -> bool:
+        """Whether this bucket copies each gradient in as it becomes ready (see
+        ``ReducerConfig.pack_on_ready``): on CPU, buckets of large gradients."""
+        if self.config.pack_on_ready is not None:
+            return self.config.pack_on_ready
+        if self.device.type != "cpu":
+            return False  # GPU: one fused pack launch per complete bucket
+        return spec.payload_bytes >= _EAGER_MIN_BYTES * max(1, len(spec.indices))
+
+    def _align_bytes(self) -> int:
+        # Padding only helps the GPU kernels; generic hooks get DDP's unpadded buffers
+        if self.comm.traits.builtin and self.device.type == "cuda":
+            return _ALIGN_BYTES
+        return DDP_ALIGN_BYTES
+
+    def _wire_dtype(self, bucket_dtype: torch.dtype) -> torch.dtype:
+        wire = self.comm.traits.wire_dtype
+        if wire is not None and bucket_dtype in (torch.float32, torch.float16, torch.bfloat16):
+            return wire
+        return bucket_dtype
+
+    # ------------------------------------------------------------------ end of backward
+    def finalize(self) -> None:
+        p, self.pass_ = self.pass_, None
+        if p is None or not p.sync:
+            return
+        if not p.any_ready:
+            # a backward that produced no parameter gradient (e.g. torch.autograd.grad
+            # w.r.t. inputs): nothing to average, no collective
+            return
+        t_end = time.perf_counter()
+        cfg = self.config
+        if cfg.static_graph and self.static_counts is None:
+            # the first iteration of a static graph: learn the hook counts, launch all
+            self.static_counts = list(p.fired)
+            self.unused = [i for i, c in enumerate(p.fired) if c == 0]
+            p.ready = bytearray(b"\x01") * len(self.params)
+            for bucket in self.buckets:
+                bucket.pending, bucket.state = 0, BucketState.READY
+        used = self._local_used(p)
+        n_missing = p.ready.count(0)
+        # launch whatever is left, with zeros for missing gradients, so no peer is left
+        # blocked in a collective this rank would never join
+        for b in range(p.next_bucket, len(self.buckets)):
+            self.buckets[b].launch(p, self.comm, self.found_inf_arg)
+        p.next_bucket = len(self.buckets)
+
+        results, status, self.stats.status_check_s = self._exchange_status(
+            p, n_missing + len(p.errors), used)
+        if self.piggyback and len(p.errors) > p.status_errors:
+            # misuse seen after the status was sent with the last bucket: this rank only
+            self.status.raise_problems([], [0.0] * self.world_size, p.errors)
+        counts = self.status.problems(status)
+        if sum(counts) > 0:
+            missing = [self.names[i] for i in range(len(self.params)) if not p.ready[i]]
+            self.status.raise_problems(missing, counts, p.errors)
+        if self.found_inf_arg is not None:
+            self.found_inf.fill_(1.0 if self.status.overflow(status) else 0.0)
+        global_used = None
+        if used is not None:
+            global_used = self.status.used(status)
+            if cfg.static_graph:
+                self.static_used = global_used  # the static graph's used set, once
+        elif cfg.static_graph:
+            global_used = self.static_used
+        for bucket, result in zip(self.buckets, results):
+            if global_used is None:
+                bucket.finish(result, bucket.targets_all, True)
+            else:
+                bucket.finish(result, [global_used[i] for i in bucket.indices], False)
+        done = time.perf_counter()
+        st = self.stats
+        st.iterations += 1
+        st.backward_compute_s = t_end - p.t_start
+        st.comm_exposed_s = done - t_end
+        st.bytes_communicated = p.bytes
+        self.timings.record(p.t_start, min((b.t_launch for b in self.buckets), default=t_end),
+                            t_end, done)
+        if cfg.debug:
+            st.bucket_comm_s = [done - b.t_launch for b in self.buckets]
+            self._log_buckets(st.bucket_comm_s)
+        if self.policy.may_rebuild(self.rebuilt) and self.ready_order:
+            self.rebuild(self.ready_order)
+
+    def _local_used(self, p: Pass) -> list | None:
+        """This rank's used map when the global one is needed this iteration, else None."""
+        cfg = self.config
+        if not (cfg.find_unused_parameters or (cfg.static_graph and self.static_used is None)):
+            return None
+        if p.shadow:
+            return [0.0] * len(self.params)
+        # locally used: the hook fired with a gradient (DDP's local_used_map); sharded
+        # buckets release .grad once it is copied in, and a hook fires only with a gradient
+        sharded = self.shards is not None
+        return [1.0 if (f > 0 and (sharded or self.params[i].grad is not None)) else 0.0
+                for i, f in enumerate(p.fired)]
+
+    def _overflow(self) -> float:
+        return float(self.found_inf.item()) if self.found_inf_arg is not None else 0.0
+
+    def _write_status_tail(self, p: Pass, buf: torch.Tensor) -> int:
+        """Write this rank's status into the tail of the last bucket's buffer."""
+        problems = 0 if p.shadow else p.ready.count(0) + len(p.errors)
+        p.status_errors = len(p.errors)
+        return self.status.write_tail(
+            buf, self.status.tensor(problems, self._overflow(), self._local_used(p)))
+
+    def _exchange_status(self, p: Pass, problems: int,
+                         used: list | None) -> tuple[list, torch.Tensor, float]:
+        last = self.buckets[-1].mem if self.piggyback else None
+        return self.status.exchange(
+            self.buckets, None if last is None else last.active,
+            lambda: self.status.tensor(problems, self._overflow(), used),
+            self.comm.traits.serialize, p.iteration)
+
+    def rebuild(self, order: list[int]) -> None:
+        self.ready_order = []
+        self.layout = self.policy.rebuilt(order, self.unused, self.layout.align_bytes,
+                                          self.guard, self.world_size, self.passes)
+        self.rebuilt = True
+        self.stats.rebuilds += 1
+        self.allocate()
+
+    def shadow_pass(self) -> None:
+        """A Join shadow pass: send zeros in every bucket, agree on the status, discard."""
+        if not self.allocated:
+            self.allocate()
+        p = Pass(True, len(self.params), self.passes)
+        p.shadow = True
+        for bucket in self.buckets:
+            bucket.reset()
+            bucket.launch(p, self.comm, None, zeros=True)
+        cfg = self.config
+        used = self._local_used(p)
+        _, status, _ = self._exchange_status(p, 0, used)
+        if used is not None and cfg.static_graph:
+            self.static_used = self.status.used(status)
+        if cfg.static_graph and self.static_counts is None:
+            self.static_counts = [1] * len(self.params)
+        self.stats.iterations += 1
+        if self.policy.may_rebuild(self.rebuilt) and not (
+                cfg.static_graph and self.stats.iterations < 2):
+            self.rebuild(list(range(len(self.params))))
+
+    def finish_in_flight(self) -> tuple | None:
+        """Wait for every launched bucket (``close()``); the first (bucket, error), if any."""
+        p, self.pass_ = self.pass_, None
+        if p is None or not p.sync or self.guard.failed:
+            return None
+        errors = [(b, e) for b in self.buckets if (e := b.wait_quietly()) is not None]
+        return errors[0] if errors else None
+
+    def _log_buckets(self, seconds: list[float]) -> None:
+        for b, (bucket, s) in enumerate(zip(self.layout.buckets, seconds)):
+            names = [self.names[i] for i in bucket.indices]
+            logger.info("tribucket rank %d iteration %d bucket %d: %d tensors, %d bytes, "
+                        "%.2f ms from launch to end of backward: %s", self.rank,
+                        self.stats.iterations, b, len(names), bucket.nbytes, s * 1e3,
+                        ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""))

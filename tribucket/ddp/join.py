@@ -1,0 +1,59 @@
+"""``Join`` support for the reducer: uneven inputs, as ``DDP.join()``.
+
+A rank that ran out of inputs keeps issuing the collectives one iteration of the others
+issues, contributing zeros (the reducer's ``shadow_iteration``); when every rank has joined,
+the model of the last rank to join (ties: the highest rank) is broadcast, as DDP does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook
+
+from .watchdog import CommGuard
+
+__all__ = ["JoinFlags", "ReducerJoinHook"]
+
+
+class JoinFlags:
+    """The small allreduces that coordinate ranks under ``Join``."""
+
+    def __init__(self, process_group, device: torch.device, rank: int, guard: CommGuard):
+        self.process_group, self.device, self.rank, self.guard = process_group, device, rank, guard
+        #: Join(divide_by_initial_world_size=...): divide by the initial world size (True, as
+        #: DDP) or by the ranks still training
+        self.divide_by_initial_world_size = True
+
+    def allreduce(self, value: float, iteration: int, op=dist.ReduceOp.SUM) -> float:
+        t = torch.tensor([value], device=self.device)
+        work = dist.all_reduce(t, op=op, group=self.process_group, async_op=True)
+        self.guard.wait(work, "a Join coordination allreduce", iteration)
+        return t.item()
+
+    def common_rank(self, candidate: bool, iteration: int) -> int:
+        """The highest rank among the candidates (DDP's authoritative rank under Join)."""
+        r = self.allreduce(float(self.rank if candidate else -1), iteration,
+                           op=dist.ReduceOp.MAX)
+        if r < 0:
+            raise RuntimeError("Join: no rank is a candidate to hold the authoritative model")
+        return int(r)
+
+
+class ReducerJoinHook(JoinHook):
+    """``Join`` support: shadow the iteration on joined ranks, sync the model at the end."""
+
+    def __init__(self, reducer: Any, divide_by_initial_world_size: bool):
+        self.reducer = reducer
+        reducer._join_flags.divide_by_initial_world_size = bool(divide_by_initial_world_size)
+
+    def main_hook(self) -> None:
+        self.reducer._shadow_iteration()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        # as DDP: the model of the last rank to join (ties: the highest rank) wins
+        r = self.reducer
+        src = r._join_flags.common_rank(is_last_joiner, r._bw.passes)
+        r._broadcast_states(src_rank=src, buffers=r.config.broadcast_buffers)
