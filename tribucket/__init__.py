@@ -14,6 +14,7 @@ from .config import ReducerConfig
 from .grad_bucket import GradBucket
 from .layout import NO_CAP, Bucket, BucketLayout, TensorSpec, compute_layout
 from .ddp import Reducer, ReducerStats, fused_bucketing
+from .zero import ShardedOptimizer
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "Reducer",
     "ReducerConfig",
     "ReducerStats",
+    "ShardedOptimizer",
     "TensorSpec",
     "amp",
     "clip_grad_norm_",

@@ -17,6 +17,11 @@ DEFAULT_BUCKET_CAP_MB = 25
 #: torch DDP's first-bucket cap (``dist._DEFAULT_FIRST_BUCKET_BYTES``), used only when
 #: ``bucket_cap_mb`` is left at its default: a small first bucket starts communication early
 DEFAULT_FIRST_BUCKET_CAP_MB = 1
+#: bucket cap under ``shard_optimizer=True`` when ``bucket_cap_mb`` is left unset: a bucket's
+#: full buffer is transient there (freed once reduce-scattered), so its size bounds the
+#: gradient memory in flight; 4 MiB kept the peak near 1/world of DDP's at 2 and 4 ranks
+#: and was also faster than 25 MiB buckets on gloo (docs/zero.md, perf/bench_zero.py)
+DEFAULT_SHARD_BUCKET_CAP_MB = 4
 
 
 def _env_flag(name: str) -> bool | None:
@@ -38,6 +43,7 @@ class ReducerConfig:
     """Options of :class:`tribucket.Reducer` / :func:`tribucket.fused_bucketing`."""
 
     #: bucket cap in MiB (``int(mb * 2**20)`` bytes); ``None`` means DDP's default, 25 MiB
+    #: (4 MiB with ``shard_optimizer=True``, see DEFAULT_SHARD_BUCKET_CAP_MB)
     bucket_cap_mb: float | None = None
     #: cap of the first bucket of each (dtype, device) after the rebuild; ``None`` means
     #: 1 MiB when ``bucket_cap_mb`` is ``None``, else ``bucket_cap_mb`` (torch DDP 2.x)
@@ -65,6 +71,11 @@ class ReducerConfig:
     #: (docs/benchmarks.md); try it where the communication threads have cores of their own.
     #: Applies to the default allreduce and tribucket's allreduce/fp16/bf16 hooks
     comm_chunk_mb: float | None = None
+    #: reduce-scatter each bucket instead of allreducing it: every rank keeps only its
+    #: 1/world slice of the averaged gradients (``.grad`` stays ``None``) for a
+    #: :class:`tribucket.ShardedOptimizer` to step; buckets are sized by the caps from the
+    #: first iteration on and never rebuilt (the optimizer's shards follow them)
+    shard_optimizer: bool = False
     #: a collective that takes longer than this fails instead of hanging (``None``: the
     #: process group's own timeout); see docs/reliability.md
     timeout: datetime.timedelta | None = None
@@ -86,7 +97,7 @@ class ReducerConfig:
         if self.comm_chunk_mb is not None and self.comm_chunk_mb != 0:
             _positive_mb("comm_chunk_mb", self.comm_chunk_mb)
         for name in ("gradient_as_bucket_view", "find_unused_parameters", "static_graph",
-                     "debug"):
+                     "debug", "shard_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (isinstance(self.broadcast_buffers, bool) or self.broadcast_buffers == "ddp"):
@@ -95,6 +106,10 @@ class ReducerConfig:
         if self.pack_on_ready is not None and not isinstance(self.pack_on_ready, bool):
             raise TypeError(f"pack_on_ready must be True, False or None, got "
                             f"{self.pack_on_ready!r}")
+        if self.shard_optimizer and self.comm_chunk_mb:
+            raise ValueError(f"comm_chunk_mb={self.comm_chunk_mb!r} cannot be combined with "
+                             "shard_optimizer=True (a bucket is reduce-scattered whole); "
+                             "leave comm_chunk_mb unset")
         if isinstance(self.ignore_parameters, (str, bytes)):
             raise TypeError("ignore_parameters must be a collection of parameters or names, "
                             f"got the string {self.ignore_parameters!r}; wrap it in a tuple")
@@ -120,7 +135,9 @@ class ReducerConfig:
 
     @property
     def bucket_cap_bytes(self) -> int:
-        mb = DEFAULT_BUCKET_CAP_MB if self.bucket_cap_mb is None else self.bucket_cap_mb
+        mb = self.bucket_cap_mb
+        if mb is None:
+            mb = DEFAULT_SHARD_BUCKET_CAP_MB if self.shard_optimizer else DEFAULT_BUCKET_CAP_MB
         return int(mb * MiB)
 
     @property

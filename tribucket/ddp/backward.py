@@ -26,6 +26,7 @@ import torch
 
 from .. import kernels
 from .._epilogue import Epilogue
+from .._shard import shard_buckets
 from ..config import ReducerConfig
 from ..layout import BucketLayout
 from . import resume
@@ -34,6 +35,7 @@ from .compat import CommTimings
 from .join import JoinFlags
 from .memory import BucketMemory
 from .rebuild import DDP_ALIGN_BYTES, LayoutPolicy
+from .shard import ShardedBucket, ShardGrads
 from .state import Pass, ReducerStats
 from .status import Status, second_gradient_error, static_graph_error
 from .watchdog import CommGuard
@@ -97,6 +99,20 @@ class Backward:
         self._plain = not (config.static_graph or config.find_unused_parameters)
         #: the post-accumulate-grad hook of each parameter (the reducer registers them)
         self.grad_hooks = [GradHook(self, i) for i in range(len(params))]
+        #: shard_optimizer: this rank's slice of every bucket, and the averaged slices
+        self.shards, self.shard_grads = None, None
+        if config.shard_optimizer:
+            self._init_shards(expect_sparse)
+
+    def _init_shards(self, expect_sparse: list[bool]) -> None:
+        sparse = [self.names[i] for i, s in enumerate(expect_sparse) if s]
+        if sparse:
+            raise ValueError(f"shard_optimizer=True does not support sparse gradients "
+                             f"(parameters {sparse} come from Embedding(sparse=True)); use "
+                             "dense embeddings or ignore_parameters for them")
+        self._align_layout()  # (GPU: 16 bytes) fixed now: the shards follow it
+        self.shards = shard_buckets(self.layout, self.world_size, self.rank)
+        self.shard_grads = ShardGrads(len(self.shards), len(self.params))
 
     # ------------------------------------------------------------------ per gradient
     def on_backward_start(self, grad_outputs):
@@ -203,16 +219,12 @@ class Backward:
     def allocate(self) -> None:
         """Build the buckets of the current layout for the current hook."""
         cfg, traits = self.config, self.comm.traits
-        align = self._align_bytes()
-        if align != self.layout.align_bytes:
-            encoded = self.layout.to_tensor().clone()
-            encoded[2] = align
-            self.layout = BucketLayout.from_tensor(encoded, self.params)
+        self._align_layout()
         specs = self.layout.buckets
         # the end-of-backward status rides at the end of the last bucket's allreduce when the
         # reducer sends that allreduce itself (one collective fewer per iteration)
         self.piggyback = (self.world_size > 1 and traits.chunkable and bool(specs)
-                          and not specs[-1].sparse)
+                          and not specs[-1].sparse and self.shards is None)
         self.buckets, self.slot = [], [None] * len(self.params)
         prev = None
         for b, spec in enumerate(specs):
@@ -223,6 +235,8 @@ class Backward:
             else:
                 plan = kernels.BucketPlan(spec.sizes, spec.offsets, spec.numel, spec.device)
                 tail = self.status.length if self.piggyback and last else 0
+                if self.shards is not None:  # padding to equal slices
+                    tail = self.shards[b].padded_numel - spec.numel
                 mem = BucketMemory(spec, params, self._wire_dtype(spec.dtype), plan,
                                    always_view=cfg.gradient_as_bucket_view,
                                    eager=self._eager(spec), tail=tail)
@@ -230,9 +244,13 @@ class Backward:
                     # (rebuild) carry the accumulated gradients over and view the new bucket
                     buf = mem.pack([q.grad for q in params], 1.0)
                     mem.finish(buf, [q.grad is not None for q in params])
-                bucket = DenseBucket(b, spec, params, last, mem,
-                                     mem.chunk_bounds(cfg.comm_chunk_mb, traits.chunkable),
-                                     self._write_status_tail if tail else None, prev)
+                if self.shards is not None:
+                    bucket = ShardedBucket(b, spec, params, last, mem, self.shards[b],
+                                           self.shard_grads, prev)
+                else:
+                    bucket = DenseBucket(b, spec, params, last, mem,
+                                         mem.chunk_bounds(cfg.comm_chunk_mb, traits.chunkable),
+                                         self._write_status_tail if tail else None, prev)
             for k, i in enumerate(spec.indices):
                 self.slot[i] = (bucket, k)
             self.buckets.append(bucket)
@@ -247,6 +265,13 @@ class Backward:
         # the user keeps across iterations holds on to an older buffer on top of this
         self.stats.bucket_bytes_allocated = sum(b.mem.capacity_bytes() for b in self.buckets
                                                 if b.mem is not None)
+
+    def _align_layout(self) -> None:
+        align = self._align_bytes()
+        if align != self.layout.align_bytes:
+            encoded = self.layout.to_tensor().clone()
+            encoded[2] = align
+            self.layout = BucketLayout.from_tensor(encoded, self.params)
 
     def _eager(self, spec) -> bool:
         """Whether this bucket copies each gradient in as it becomes ready (see
@@ -345,8 +370,10 @@ class Backward:
             return None
         if p.shadow:
             return [0.0] * len(self.params)
-        # locally used: the hook fired with a gradient (DDP's local_used_map)
-        return [1.0 if (f > 0 and self.params[i].grad is not None) else 0.0
+        # locally used: the hook fired with a gradient (DDP's local_used_map); sharded
+        # buckets release .grad once it is copied in, and a hook fires only with a gradient
+        sharded = self.shards is not None
+        return [1.0 if (f > 0 and (sharded or self.params[i].grad is not None)) else 0.0
                 for i, f in enumerate(p.fired)]
 
     def _write_status_tail(self, p: Pass, buf: torch.Tensor) -> int:

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join
 
-from ..config import DEFAULT_BUCKET_CAP_MB, ReducerConfig
+from ..config import DEFAULT_BUCKET_CAP_MB, DEFAULT_SHARD_BUCKET_CAP_MB, ReducerConfig
 
 __all__ = ["CommTimings", "DDPCompat", "bucket_sizes", "logging_data"]
 
@@ -83,8 +83,10 @@ class DDPCompat:
     static_graph = _Option(doc="DDP's ``static_graph`` (read-only).")
     gradient_as_bucket_view = _Option(doc="DDP's ``gradient_as_bucket_view`` (read-only).")
     broadcast_buffers = _Option(doc="``True``, ``False`` or ``'ddp'`` (read-only).")
-    bucket_cap_mb = _Option(lambda c: DEFAULT_BUCKET_CAP_MB if c.bucket_cap_mb is None
-                            else c.bucket_cap_mb, "The bucket cap in MiB (read-only).")
+    bucket_cap_mb = _Option(lambda c: (DEFAULT_SHARD_BUCKET_CAP_MB if c.shard_optimizer
+                                       else DEFAULT_BUCKET_CAP_MB)
+                            if c.bucket_cap_mb is None else c.bucket_cap_mb,
+                            "The bucket cap in MiB (read-only).")
     bucket_bytes_cap = _Option(lambda c: c.bucket_cap_bytes,
                                "DDP's ``bucket_bytes_cap``: the bucket cap in bytes (read-only).")
 

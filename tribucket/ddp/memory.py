@@ -107,6 +107,8 @@ class BucketMemory:
                           device=self.bucket.device)
         if self._gaps is not None:
             buf.index_fill_(0, self._gaps, 0)  # padding is summed too: keep it finite
+        if self.tail:
+            buf.narrow(0, self.bucket.numel, self.tail).zero_()  # shard padding, status
         if self._base_count is None:
             self._base_count = _use_count(buf)
         return buf

@@ -25,8 +25,9 @@ class LayoutPolicy:
 
     def initial(self) -> BucketLayout:
         cfg = self.config
-        if cfg.dynamic_unused:
-            # DDP keeps its size-capped initial buckets when it will never rebuild
+        if cfg.dynamic_unused or cfg.shard_optimizer:
+            # DDP keeps its size-capped initial buckets when it will never rebuild (and the
+            # sharded optimizer's state lives on the first layout)
             caps = dict(bucket_cap_bytes=cfg.bucket_cap_bytes,
                         first_bucket_cap_bytes=min(cfg.first_bucket_cap_bytes,
                                                    cfg.bucket_cap_bytes))
@@ -39,7 +40,7 @@ class LayoutPolicy:
 
     def may_rebuild(self, rebuilt: bool) -> bool:
         """Whether a rebuild can still happen (and gradient-ready order is worth recording)."""
-        return not rebuilt and not self.config.dynamic_unused
+        return not rebuilt and not self.config.dynamic_unused and not self.config.shard_optimizer
 
     def rebuilt(self, order: list[int], unused: list[int], align_bytes: int,
                 guard: CommGuard, world_size: int, iteration: int) -> BucketLayout:

@@ -163,6 +163,41 @@ class Reducer(DDPCompat, Joinable):
         """The current bucket layout (DDP's, before and after the rebuild)."""
         return self._bw.layout
 
+    # ------------------------------------------------------------------ shard_optimizer
+    @property
+    def shards(self) -> list:
+        """This rank's slice of every bucket (``shard_optimizer=True`` only)."""
+        if self._bw.shards is None:
+            raise RuntimeError("this reducer does not shard: pass shard_optimizer=True to "
+                               "fused_bucketing (or Reducer)")
+        return self._bw.shards
+
+    @property
+    def grad_shards(self) -> list[torch.Tensor | None]:
+        """Per bucket: this rank's slice of the averaged gradients (the sum over the
+        synchronised backward passes since :meth:`clear_grad_shards`), ``None`` if none."""
+        return self._bw.shard_grads.shards
+
+    @property
+    def shard_used(self) -> list[bool] | None:
+        """Per parameter: whether any rank used it in the last synchronised backward
+        (``find_unused_parameters``/``static_graph``), else ``None`` (all used)."""
+        return self._bw.shard_grads.used
+
+    def clear_grad_shards(self) -> None:
+        """Drop the gradient slices (``ShardedOptimizer.zero_grad``)."""
+        self._bw.shard_grads.clear()
+
+    @property
+    def averaged_parameters(self) -> list[torch.Tensor]:
+        """The parameters this reducer averages; the layout's indices point into it."""
+        return list(self._params)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the averaged parameters."""
+        return self._device
+
     @property
     def parameter_names(self) -> list[str]:
         """Names of the averaged parameters; ``layout`` indices point into this list."""
@@ -193,6 +228,10 @@ class Reducer(DDPCompat, Joinable):
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got "
                             f"{type(hook).__name__} {hook!r}")
+        if self.config.shard_optimizer:
+            raise ValueError(f"cannot register {hook_name(hook)}: with shard_optimizer=True "
+                             "each bucket is reduce-scattered by the reducer itself, so no "
+                             "comm hook runs; drop shard_optimizer or the hook")
         if self._comm.hook is not None:
             raise RuntimeError(f"a comm hook ({hook_name(self._comm.hook)}) is already "
                                "registered; register_comm_hook can be called only once per "
@@ -265,9 +304,14 @@ class Reducer(DDPCompat, Joinable):
             raise RuntimeError("load_state_dict must be called before the first backward pass "
                                "(on every rank), right after entering fused_bucketing and "
                                "registering the comm hook")
-        bw.layout, progress = resume.read_state_dict(
+        layout, progress = resume.read_state_dict(
             state, self._names, self._params, self._comm.hook, self._comm.hook_state,
             self.rank, self.world_size)
+        if bw.shards is not None and layout.bucket_indices() != bw.layout.bucket_indices():
+            raise ValueError("this reducer state has another bucket layout than this "
+                             "shard_optimizer=True reducer, whose sharded optimizer lives on "
+                             "its own buckets: use the same bucket_cap_mb as the saved run")
+        bw.layout = layout
         bw.rebuilt = progress["rebuilt"]
         bw.static_counts, bw.static_used = progress["static_counts"], progress["static_used"]
         bw.ready_order = []
@@ -324,6 +368,11 @@ class Reducer(DDPCompat, Joinable):
         ``divide_by_initial_world_size`` (default ``True``, as DDP): divide gradients by the
         initial world size; ``False`` divides by the number of ranks still training.
         """
+        if self.config.shard_optimizer:
+            raise ValueError("Join (uneven inputs) is not supported with shard_optimizer=True: "
+                             "a rank out of inputs would also have to shadow the sharded "
+                             "optimizer's all-gathers; give every rank the same number of "
+                             "batches (e.g. a DistributedSampler with drop_last=True)")
         return ReducerJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property

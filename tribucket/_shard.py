@@ -1,0 +1,95 @@
+"""Shards of the gradient buckets: which slice of each bucket a rank owns (pure data).
+
+A sharded optimizer (ZeRO-1/2) splits every bucket of the reducer's layout into ``world``
+equal, contiguous slices; rank ``r`` owns ``[r * S, (r + 1) * S)`` of the bucket's flat
+buffer, padded at the end so that ``world * S >= numel``. ``S`` is a multiple of
+``SHARD_ALIGN`` elements so every shard starts on an aligned address. The reducer
+reduce-scatters each bucket into these slices; the optimizer steps them; an all-gather of
+the slices rebuilds the bucket.
+
+Example: a bucket of two tensors of 3 and 70 elements (offsets 0 and 3, 73 elements) on two
+ranks gets ``S = 64`` (73 / 2 rounded up to 64): rank 0 owns elements ``[0, 64)``, i.e.
+tensor 0 whole and ``[0, 61)`` of tensor 1; rank 1 owns ``[64, 128)``: ``[61, 70)`` of
+tensor 1 then 55 padding elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .layout import BucketLayout
+
+__all__ = ["SHARD_ALIGN", "Piece", "BucketShard", "shard_buckets"]
+
+# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or \
+    dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+#: elements per shard are a multiple of this: 256 bytes of fp32, so a shard and each
+#: rank's slice of the padded bucket start on an address any kernel can vectorise over
+SHARD_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter that lies in a rank's shard of a bucket."""
+
+    #: index of the parameter in the reducer's parameter list
+    param: int
+    #: first element of the parameter (flattened) in the shard
+    param_start: int
+    #: where that element sits in the shard
+    shard_start: int
+    #: elements
+    length: int
+
+
+@dataclass(frozen=True)
+class BucketShard:
+    """One rank's slice of one bucket."""
+
+    #: bucket index in the layout
+    index: int
+    #: elements of the bucket (alignment padding between tensors included)
+    numel: int
+    #: elements of every rank's shard (``S``)
+    shard_numel: int
+    rank: int
+    world: int
+    dtype: torch.dtype
+    #: the parameters overlapping this rank's slice, in bucket order
+    pieces: tuple[Piece, ...]
+
+    @property
+    def lo(self) -> int:
+        """First bucket element of this rank's shard."""
+        return self.rank * self.shard_numel
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of the bucket buffer padded to ``world`` equal shards."""
+        return self.world * self.shard_numel
+
+
+def shard_buckets(layout: BucketLayout, world: int, rank: int,
+                  align: int = SHARD_ALIGN) -> list[BucketShard]:
+    """Cut every bucket of ``layout`` into ``world`` equal slices; return ``rank``'s."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside a world of {world} ranks")
+    out = []
+    for b, bucket in enumerate(layout.buckets):
+        per_rank = -(-bucket.numel // world)
+        s = max(align, -(-per_rank // align) * align)
+        lo, hi = rank * s, (rank + 1) * s
+        pieces = []
+        for i, off, n in zip(bucket.indices, bucket.offsets, bucket.sizes):
+            a, z = max(off, lo), min(off + n, hi)
+            if a < z:
+                pieces.append(Piece(i, a - off, a - lo, z - a))
+        out.append(BucketShard(b, bucket.numel, s, rank, world, bucket.dtype, tuple(pieces)))
+    return out
+

@@ -1,0 +1,523 @@
+"""A sharded optimizer on the reducer's buckets (ZeRO-1/2): each rank steps 1/world of them.
+
+Under ``fused_bucketing(model, shard_optimizer=True)`` every bucket is reduce-scattered as it
+completes in backward, and each rank keeps only its slice of the averaged gradients (see
+``tribucket._shard``). :class:`ShardedOptimizer` wraps a torch optimizer class around those
+slices:
+
+* the model's parameters become views into one flat buffer per bucket (padded to ``world``
+  equal shards), so rank ``r``'s slice of the parameters is a view too;
+* the wrapped optimizer sees, for each original param group, flat tensors: the runs of this
+  rank's shards that belong to the group's parameters (fp32 masters for fp16/bf16
+  parameters, views of the parameters otherwise), with the group's options;
+* after its step, one all-gather per bucket writes every rank's updated slice back into the
+  parameters.
+
+State kept per rank: the optimizer state of ``1/world`` of the parameters, the averaged
+gradient of ``1/world`` of them (between backward and ``zero_grad``), and fp32 master
+copies of ``1/world`` of any fp16/bf16 parameters.
+
+Only *elementwise* optimizers can be sharded this way: the update of an element may depend
+on its own value, gradient and state and on scalar hyperparameters, never on other
+elements (no norms, no matrix shapes). See ``ELEMENTWISE_OPTIMIZERS``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from ._shard import all_gather_single
+
+__all__ = ["ShardedOptimizer", "ELEMENTWISE_OPTIMIZERS", "merge_sharded_state_dicts"]
+
+#: torch optimizers whose update is elementwise (each element's new value depends only on
+#: its own value, gradient and state, and on scalar hyperparameters)
+ELEMENTWISE_OPTIMIZERS = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
+    torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta,
+    torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD,
+)
+
+_FORMAT = "tribucket.zero/1"
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _check_optimizer_class(cls: Any, assume_elementwise: bool) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. "
+                        f"torch.optim.AdamW), got {cls!r}")
+    if assume_elementwise or issubclass(cls, ELEMENTWISE_OPTIMIZERS):
+        return
+    names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    raise ValueError(
+        f"{cls.__name__} cannot be sharded: ShardedOptimizer steps flat 1/world slices of the "
+        "buckets, so the update of each element must depend only on that element (its value, "
+        "gradient and state) and on scalar hyperparameters. Optimizers with per-parameter "
+        "matrix state or norms (Adafactor, Muon, LBFGS, LAMB-style trust ratios...) need whole "
+        f"parameters. Sharded optimizers known to be elementwise: {names}. If yours is "
+        "elementwise too, pass assume_elementwise=True.")
+
+
+def _normalize_groups(params: Any) -> list[dict]:
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of parameters or of param-group dicts, "
+                        "got a single tensor; wrap it in a list")
+    items = list(params)
+    if not items:
+        raise ValueError("ShardedOptimizer got an empty parameter list")
+    if all(isinstance(g, dict) for g in items):
+        groups = []
+        for k, g in enumerate(items):
+            if "params" not in g:
+                raise ValueError(f"param group {k} has no 'params' entry")
+            ps = g["params"]
+            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+            groups.append({**g, "params": ps})
+        return groups
+    if any(isinstance(g, dict) for g in items):
+        raise TypeError("params mixes parameters and param-group dicts; pass one kind")
+    return [{"params": items}]
+
+
+class _Segment:
+    """A run of one rank's shard of one bucket that the wrapped optimizer sees as a tensor."""
+
+    __slots__ = ("bucket", "start", "length", "group", "pieces", "params", "tensor")
+
+    def __init__(self, bucket: int, group: int):
+        self.bucket = bucket   # bucket index
+        self.start = 0         # first element in the bucket's shard
+        self.length = 0        # elements
+        self.group = group     # original param group
+        #: (user param index, first element of the param, first element in the segment, n)
+        self.pieces: list[tuple[int, int, int, int]] = []
+        self.params: list[int] = []  # the reducer's indices of those parameters
+        self.tensor: torch.Tensor | None = None  # the view the optimizer steps
+
+
+class ShardedOptimizer:
+    """Step ``optimizer_class`` on this rank's 1/world shard of every gradient bucket.
+
+    Example::
+
+        with tribucket.fused_bucketing(model, shard_optimizer=True) as reducer:
+            opt = tribucket.ShardedOptimizer(reducer, torch.optim.AdamW, lr=1e-3,
+                                             weight_decay=0.1)
+            for x, y in loader:
+                loss_fn(model(x), y).backward()  # each bucket is reduce-scattered
+                opt.clip_grad_norm_(1.0)         # optional: one small allreduce
+                opt.step()                       # steps the shard, all-gathers parameters
+                opt.zero_grad()
+
+    Args:
+        reducer: the reducer of ``fused_bucketing(..., shard_optimizer=True)``.
+        optimizer_class: an elementwise ``torch.optim.Optimizer`` subclass (see
+            ``ELEMENTWISE_OPTIMIZERS``).
+        params: parameters or param-group dicts, as for ``optimizer_class`` (default: the
+            model's parameters). Frozen parameters are skipped, as torch's optimizers skip
+            parameters without gradient.
+        assume_elementwise: accept an optimizer class outside ``ELEMENTWISE_OPTIMIZERS``.
+        overlap_param_gather: return from ``step()`` with the all-gathers in flight; each
+            module waits for the buckets of its own parameters in a forward pre-hook, so the
+            gathers overlap the next forward. A forward that reads parameters of a module it
+            does not call, or any other read of the parameters, must call
+            :meth:`wait_parameters` first.
+        **defaults: the optimizer's options (``lr``, ``weight_decay``...).
+
+    Between ``backward`` and ``step`` the parameters have no ``.grad``: the averaged
+    gradients live, sharded, in the reducer. Every method that communicates
+    (``step``, ``clip_grad_norm_``, ``state_dict``) must be called on every rank.
+    """
+
+    def __init__(self, reducer, optimizer_class: type, params: Iterable | None = None, *,
+                 assume_elementwise: bool = False, overlap_param_gather: bool = False,
+                 **defaults: Any):
+        _check_optimizer_class(optimizer_class, assume_elementwise)
+        shards = reducer.shards  # raises unless the reducer shards
+        self.reducer = reducer
+        self._group = reducer.process_group
+        self._world, self._rank = reducer.world_size, reducer.rank
+        module = reducer.module
+        groups = _normalize_groups(module.parameters() if params is None else params)
+        names = {id(p): n for n, p in module.named_parameters()}
+        averaged = reducer.averaged_parameters
+        index_of = {id(p): i for i, p in enumerate(averaged)}
+        # the user's parameters, flattened over the groups (torch's state_dict indices)
+        self._user_params: list[torch.Tensor] = []
+        self._user_groups: list[list[int]] = []
+        where: dict[int, tuple[int, int]] = {}  # reducer index -> (group, user index)
+        seen: set[int] = set()
+        for g, group in enumerate(groups):
+            self._user_groups.append([])
+            for p in group["params"]:
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"param group {g} holds a {type(p).__name__}, not a tensor")
+                if id(p) in seen:
+                    raise ValueError(f"parameter {names.get(id(p), '?')!r} appears in more "
+                                     "than one param group (or twice in one)")
+                seen.add(id(p))
+                u = len(self._user_params)
+                self._user_params.append(p)
+                self._user_groups[g].append(u)
+                i = index_of.get(id(p))
+                if i is not None:
+                    where[i] = (g, u)
+                elif p.requires_grad:
+                    raise ValueError(
+                        f"parameter {names.get(id(p), tuple(p.shape))!r} in param group {g} is "
+                        "not averaged by this reducer (ignored, expert-parallel, or not part "
+                        "of the reducer's model), so it has no gradient shard; give it to a "
+                        "separate torch optimizer")
+        self._flat, self._master, self._segments = self._build(shards, where, averaged)
+        inner_groups: list[dict] = []
+        self._inner: list[_Segment | None] = []  # per wrapped-optimizer tensor
+        for g, group in enumerate(groups):
+            segs = [s for s in self._segments if s.group == g]
+            tensors = [s.tensor for s in segs]
+            self._inner += segs
+            if not tensors:  # no slice of this group here: torch rejects empty groups
+                tensors = [torch.empty(0, device=reducer.device)]
+                self._inner.append(None)
+            inner_groups.append({**{k: v for k, v in group.items() if k != "params"},
+                                 "params": tensors})
+        self.optim = optimizer_class(inner_groups, **defaults)
+        self._gathers: list = [None] * len(self._flat)  # per bucket: all-gather in flight
+        self._overlap = bool(overlap_param_gather)
+        self._hooks = self._wait_hooks(module, averaged) if self._overlap else []
+
+    def _wait_hooks(self, module, averaged: list) -> list:
+        """A forward pre-hook on every module holding parameters: wait for their buckets."""
+        bucket_of = {id(averaged[i]): b for b, bucket in enumerate(self.reducer.layout.buckets)
+                     for i in bucket.indices}
+        handles = []
+        for m in module.modules():
+            buckets = sorted({bucket_of[id(q)] for q in m.parameters(recurse=False)
+                              if id(q) in bucket_of})
+            if buckets:
+                handles.append(m.register_forward_pre_hook(
+                    lambda _m, _args, bs=tuple(buckets): self._wait(bs)))
+        return handles
+
+    def _wait(self, buckets) -> None:
+        for b in buckets:
+            work, self._gathers[b] = self._gathers[b], None
+            if work is not None:
+                work.wait()
+
+    def wait_parameters(self) -> None:
+        """Wait for the parameters' all-gathers (``overlap_param_gather=True``)."""
+        self._wait(range(len(self._gathers)))
+
+    def _build(self, shards, where: dict, averaged: list):
+        """Flat parameter buffers per bucket (parameters become views), master shards, and
+        the segments of this rank's shards, per param group."""
+        layout = self.reducer.layout
+        flats, masters, segments = [], [], []
+        for shard, bucket in zip(shards, layout.buckets):
+            flat = torch.zeros(shard.padded_numel, dtype=bucket.dtype, device=bucket.device)
+            with torch.no_grad():
+                for i, off, n in zip(bucket.indices, bucket.offsets, bucket.sizes):
+                    p = averaged[i]
+                    view = flat.narrow(0, off, n).view(p.shape)
+                    view.copy_(p)
+                    p.data = view  # the parameter now lives in the bucket's buffer
+            mine = flat.narrow(0, shard.lo, shard.shard_numel)
+            # fp32 master copies of low-precision shards (Megatron's distributed optimizer)
+            master = mine.float() if bucket.dtype in _LOW_PRECISION else mine
+            flats.append(flat)
+            masters.append(master)
+            split = self.reducer.config.find_unused_parameters or \
+                self.reducer.config.static_graph
+            seg = None
+            for piece in shard.pieces:
+                if piece.param not in where:
+                    seg = None  # not optimized: ends the run
+                    continue
+                g, u = where[piece.param]
+                if (seg is None or seg.group != g or split
+                        or seg.start + seg.length != piece.shard_start):
+                    # per parameter when a parameter may be unused: torch skips it then
+                    seg = _Segment(shard.index, g)
+                    seg.start = piece.shard_start
+                    segments.append(seg)
+                seg.pieces.append((u, piece.param_start, piece.shard_start - seg.start,
+                                   piece.length))
+                seg.params.append(piece.param)
+                seg.length = piece.shard_start + piece.length - seg.start
+        for seg in segments:
+            seg.tensor = masters[seg.bucket].narrow(0, seg.start, seg.length)
+        return flats, masters, segments
+
+    # ------------------------------------------------------------------ torch's interface
+    @property
+    def param_groups(self) -> list[dict]:
+        """The wrapped optimizer's groups: one per original group, same options (an LR
+        scheduler may be given this object or ``self.optim``)."""
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        """The wrapped optimizer's state, keyed by this rank's shard tensors."""
+        return self.optim.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optim.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradient shards; reset any local ``.grad`` (from ``no_sync`` passes)."""
+        self.reducer.clear_grad_shards()
+        for seg in self._segments:
+            seg.tensor.grad = None
+        for p in self._user_params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_()
+                    p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        """Step this rank's shards, then all-gather the parameters (one collective per
+        bucket). Call on every rank."""
+        self.wait_parameters()  # a step before the next forward: the last gathers are done
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads, used = self.reducer.grad_shards, self.reducer.shard_used
+        master_grads = []
+        for g, m in zip(grads, self._master):
+            master_grads.append(None if g is None else g if g.dtype == m.dtype
+                                else g.to(m.dtype))
+        for seg in self._segments:
+            g = master_grads[seg.bucket]
+            if g is None or (used is not None and not any(used[i] for i in seg.params)):
+                seg.tensor.grad = None  # no rank used it: torch would skip the parameter
+            else:
+                seg.tensor.grad = g.narrow(0, seg.start, seg.length)
+        self.optim.step()
+        self._gather_parameters()
+        return loss
+
+    def _gather_parameters(self) -> None:
+        if self._world == 1:
+            for flat, master in zip(self._flat, self._master):
+                if master.data_ptr() != flat.data_ptr():
+                    flat.narrow(0, 0, master.numel()).copy_(master)
+            return
+        shards = self.reducer.shards
+        # the last bucket holds the first layers: gathered first, needed first
+        for b in reversed(range(len(shards))):
+            flat, master = self._flat[b], self._master[b]
+            mine = flat.narrow(0, shards[b].lo, shards[b].shard_numel)
+            if master.data_ptr() != mine.data_ptr():
+                mine.copy_(master)  # one rounding of the fp32 master to the parameter dtype
+            self._gathers[b] = all_gather_single(flat, mine, group=self._group, async_op=True)
+        if not self._overlap:
+            self.wait_parameters()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Scale the averaged gradients so their total norm is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` would; return the total
+        norm. One allreduce of one number; call on every rank after backward."""
+        norm_type = float(norm_type)
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be positive, got {max_norm!r}")
+        if norm_type <= 0:
+            raise ValueError(f"norm_type must be positive or inf, got {norm_type!r}")
+        grads = [g for g in self.reducer.grad_shards if g is not None]
+        local = torch.zeros((), dtype=torch.float32, device=self.reducer.device)
+        for g in grads:  # the padding of the shards is zero: it adds nothing
+            n = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+            local = torch.maximum(local, n) if norm_type == float("inf") \
+                else local + n ** norm_type
+        if self._world > 1:
+            op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+            dist.all_reduce(local, op=op, group=self._group)
+        total = local if norm_type == float("inf") else local ** (1.0 / norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
+                               f"{total.item()}; pass error_if_nonfinite=False to skip this "
+                               "check")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    # ------------------------------------------------------------------ checkpoints
+    def sharded_state_dict(self) -> dict:
+        """This rank's part of the optimizer state (no communication): save one per rank,
+        load it with :meth:`load_sharded_state_dict` at the same world size, or merge all
+        ranks' with :func:`merge_sharded_state_dicts`."""
+        self.wait_parameters()
+        return {
+            "format": _FORMAT,
+            "world_size": self._world,
+            "rank": self._rank,
+            "optimizer": self.optim.state_dict(),
+            # per wrapped-optimizer tensor: its length and the parameter pieces it holds
+            "segments": [(0, []) if s is None else (s.length, list(s.pieces))
+                         for s in self._inner],
+            "param_shapes": [tuple(p.shape) for p in self._user_params],
+            "param_groups": [list(g) for g in self._user_groups],
+        }
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Load what :meth:`sharded_state_dict` saved on this rank."""
+        self.wait_parameters()
+        _check_format(state)
+        if state["world_size"] != self._world:
+            raise ValueError(
+                f"this optimizer shard was saved at world size {state['world_size']} (rank "
+                f"{state['rank']}) but this run has world size {self._world}: a shard loads "
+                "only at the world size it was saved at. To reshard, merge the shards of every "
+                "rank with tribucket.zero.merge_sharded_state_dicts([...]) and load the "
+                "result with load_state_dict()")
+        if state["rank"] != self._rank:
+            raise ValueError(f"this optimizer shard belongs to rank {state['rank']}; rank "
+                             f"{self._rank} must load its own")
+        mine = self.sharded_state_dict()
+        if state["segments"] != mine["segments"] or state["param_shapes"] != \
+                mine["param_shapes"]:
+            raise ValueError("this optimizer shard was saved for other parameters or another "
+                             "bucket layout (model, param groups or bucket_cap_mb differ); "
+                             "save and load with state_dict()/load_state_dict() instead")
+        self.optim.load_state_dict(state["optimizer"])
+
+    def state_dict(self) -> dict:
+        """The whole-model state in torch's structure (as ``optimizer_class`` over the same
+        param groups would give it; fp32 state for fp16/bf16 parameters), gathered from
+        every rank: call on every rank; every rank gets it."""
+        local = _to_cpu(self.sharded_state_dict())
+        every: list = [None] * self._world
+        if self._world > 1:
+            dist.all_gather_object(every, local, group=self._group)
+        else:
+            every = [local]
+        return merge_sharded_state_dicts(every)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load a whole-model state (from :meth:`state_dict` at any world size, or from a
+        torch optimizer of the same class over the same param groups)."""
+        self.wait_parameters()
+        saved_groups = state.get("param_groups")
+        if not isinstance(saved_groups, list) or "state" not in state:
+            raise ValueError("expected a torch optimizer state dict with 'state' and "
+                             "'param_groups'")
+        if len(saved_groups) != len(self._user_groups):
+            raise ValueError(f"the state has {len(saved_groups)} param groups, this optimizer "
+                             f"{len(self._user_groups)}")
+        ids = []
+        for g, (saved, mine) in enumerate(zip(saved_groups, self._user_groups)):
+            if len(saved["params"]) != len(mine):
+                raise ValueError(f"param group {g}: the state has {len(saved['params'])} "
+                                 f"parameters, this optimizer {len(mine)}")
+            ids += list(saved["params"])
+        saved_state = state["state"]
+        inner_state = {}
+        for j, seg in enumerate(self._inner):
+            if seg is None:
+                continue
+            entry: dict = {}
+            for u, p_start, s_start, n in seg.pieces:
+                st = saved_state.get(ids[u])
+                if not st:
+                    continue
+                shape = tuple(self._user_params[u].shape)
+                for key, v in st.items():
+                    if _param_shaped(key, v, shape):
+                        buf = entry.get(key)
+                        if buf is None:
+                            buf = entry[key] = torch.zeros(seg.length, dtype=v.dtype)
+                        buf[s_start:s_start + n] = v.detach().reshape(-1)[p_start:p_start + n]
+                    elif key not in entry:
+                        entry[key] = v.clone() if isinstance(v, torch.Tensor) else v
+            if entry:
+                inner_state[j] = entry
+        inner_groups, k = [], 0
+        for saved, group in zip(saved_groups, self.optim.param_groups):
+            n = len(group["params"])
+            inner_groups.append({**{a: b for a, b in saved.items() if a != "params"},
+                                 "params": list(range(k, k + n))})
+            k += n
+        self.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+
+
+def _param_shaped(key: str, v: Any, shape: tuple) -> bool:
+    """Whether state entry ``v`` holds one value per element of a parameter of ``shape``."""
+    return isinstance(v, torch.Tensor) and key != "step" and tuple(v.shape) == shape \
+        and v.dim() > 0
+
+
+def _check_format(state: Any) -> None:
+    if not isinstance(state, dict) or state.get("format") != _FORMAT:
+        raise ValueError("not a sharded optimizer state saved by "
+                         "ShardedOptimizer.sharded_state_dict() (no 'format': "
+                         f"{_FORMAT!r}); a whole-model state loads with load_state_dict()")
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+def merge_sharded_state_dicts(shards: list[dict]) -> dict:
+    """Merge every rank's :meth:`ShardedOptimizer.sharded_state_dict` into the whole-model
+    state (torch's structure), e.g. to load it at another world size. No communication."""
+    for s in shards:
+        _check_format(s)
+    world = shards[0]["world_size"] if shards else 0
+    ranks = sorted(s["rank"] for s in shards)
+    if ranks != list(range(world)) or any(s["world_size"] != world for s in shards):
+        raise ValueError(f"need the shards of every rank of one run: got ranks {ranks} of "
+                         f"world sizes {sorted({s['world_size'] for s in shards})}")
+    first = shards[0]
+    shapes = first["param_shapes"]
+    state: dict[int, dict] = {}
+    for s in shards:
+        inner = s["optimizer"]["state"]
+        for j, (length, pieces) in enumerate(s["segments"]):
+            st = inner.get(j)
+            if not st:
+                continue
+            for u, p_start, s_start, n in pieces:
+                dst = state.setdefault(u, {})
+                for key, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == length \
+                            and key != "step":
+                        full = dst.get(key)
+                        if full is None:
+                            full = dst[key] = torch.zeros(_numel(shapes[u]), dtype=v.dtype,
+                                                          device=v.device)
+                        full[p_start:p_start + n] = v[s_start:s_start + n]
+                    elif p_start == 0 or key not in dst:  # scalars: the first element's
+                        dst[key] = v.clone() if isinstance(v, torch.Tensor) else v
+    for u, dst in state.items():
+        for key, v in dst.items():
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and key != "step" \
+                    and v.numel() == _numel(shapes[u]):
+                dst[key] = v.view(shapes[u])
+    groups = []
+    for saved, members in zip(first["optimizer"]["param_groups"], first["param_groups"]):
+        groups.append({**{k: v for k, v in saved.items() if k != "params"},
+                       "params": list(members)})
+    return {"state": {u: state[u] for u in sorted(state)}, "param_groups": groups}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
