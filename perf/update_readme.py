@@ -83,6 +83,52 @@ def _headline_rows() -> list[tuple[str, str, str, str]]:
             rows.append(("MoE with FasterMoE shadow experts, skewed routing, 2 ranks",
                          f"{shadow['tokens_per_s']:,.0f} tokens/s", f"all-to-all {a:,.0f} tokens/s",
                          f"{shadow['tokens_per_s'] / a:.1f}x the speed"))
+    rows += _headline_rows_second()
+    return rows
+
+
+def _headline_rows_second() -> list[tuple[str, str, str, str]]:
+    """Rows from the host-overhead, sharded-optimizer, clipping and MoE-baseline runs."""
+    rows = []
+    if (RESULTS / "overhead.json").exists():
+        for r in _load("overhead")["results"]:
+            if r["model"] in ("512", "2048"):
+                med = r["median_s"]
+                rows.append((f"backward, {r['model']} small parameters "
+                             "(Linear+LayerNorm stack), 2 ranks", _ms(med["tribucket"]),
+                             f"DDP {_ms(med['DDP'])}",
+                             f"{med['tribucket'] / med['DDP']:.2f}x the time"))
+    if (RESULTS / "epilogue.json").exists():
+        r = next(r for r in _load("epilogue")["results"] if r["model"] == "mlp")
+        med = r["median_s"]
+        t, b = med["tribucket + fused clip"], med["DDP + torch clip"]
+        rows.append(("backward + `clip_grad_norm_` + AdamW step, mlp, 2 ranks", _ms(t),
+                     f"DDP + torch's clip {_ms(b)}", f"{t / b:.2f}x the time"))
+    if (RESULTS / "zero.json").exists():
+        r = next(r for r in _load("zero")["results"] if r["model"] == "mlp" and r["world"] == 2)
+        pk, med = r["peak_bytes"], r["median_s"]
+        rows.append(("optimizer state + gradients per rank, AdamW, mlp, 2 ranks",
+                     f"{pk['tribucket sharded'] / 2**20:.1f} MiB (sharded)",
+                     f"DDP + AdamW {pk['DDP + AdamW'] / 2**20:.1f} MiB",
+                     f"{pk['tribucket sharded'] / pk['DDP + AdamW']:.2f}x the memory"))
+        t, z = med["tribucket sharded"], med["DDP + ZeRO"]
+        rows.append(("sharded AdamW training step, mlp, 2 ranks", _ms(t),
+                     f"DDP + `ZeroRedundancyOptimizer` {_ms(z)}", f"{t / z:.2f}x the time"))
+    if (RESULTS / "moe_external.json").exists():
+        for run in _load("moe_external")["runs"]:
+            if run["capacity_factor"] is not None:
+                continue
+            rows_by = {row["system"]: row for row in run["rows"]}
+            ours = rows_by.get("tribucket MoELayer")
+            size = run["size"].split(" (")[0]
+            for name in ("DeepSpeed MoE", "torchtitan MoE"):
+                other = rows_by.get(name)
+                if ours is None or other is None or not other.get("tokens_per_s"):
+                    continue
+                rows.append((f"MoE layer forward+backward, {size} size, dropless, 2 ranks",
+                             f"{ours['tokens_per_s']:,.0f} tokens/s",
+                             f"{name.replace(' MoE', '')} {other['tokens_per_s']:,.0f} tokens/s",
+                             f"{ours['tokens_per_s'] / other['tokens_per_s']:.2f}x the speed"))
     return rows
 
 
@@ -94,7 +140,11 @@ def headline() -> str:
     loads = []
     for name, get in (("step", lambda d: d["meta"]["loadavg"][0]),
                       ("pack", lambda d: d["loadavg_before"][0]),
-                      ("moe", lambda d: d["machine"]["load_avg_1min"]["before"])):
+                      ("moe", lambda d: d["machine"]["load_avg_1min"]["before"]),
+                      ("overhead", lambda d: d["meta"]["loadavg"][0]),
+                      ("epilogue", lambda d: d["meta"]["loadavg_start"][0]),
+                      ("zero", lambda d: d["meta"]["loadavg"][0]),
+                      ("moe_external", lambda d: d["machine"]["load_avg_1min"]["before"])):
         if (RESULTS / f"{name}.json").exists():
             loads.append(get(_load(name)))
     note = ("2-core x86_64 CPU, gloo, one thread per rank, torch 2.13.0+cpu; the machine was "
