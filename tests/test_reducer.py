@@ -284,7 +284,7 @@ def test_zero_grad_in_place_default_mode(dist_run):
              timeout=240)
 
 
-def _saved_gradients_stay_intact(which=slice(None), bucket_cap_mb=0.001):
+def _saved_gradients_stay_intact(which=slice(None), bucket_cap_mb=0.001, derived=False):
     """A gradient the user keeps is never overwritten by a later iteration."""
     rank = dist.get_rank()
     model = build("mlp")
@@ -293,6 +293,8 @@ def _saved_gradients_stay_intact(which=slice(None), bucket_cap_mb=0.001):
         for step in range(4):
             loss_of(model(batch("mlp", rank, step))).backward()
             kept = [p.grad for p in model.parameters()][which]
+            if derived:  # a view of a gradient, not the .grad tensor itself
+                kept = [g[:1] for g in kept]
             snapshot = [g.clone() for g in kept]
             model.zero_grad(set_to_none=True)
             loss_of(model(batch("mlp", rank, step + 10))).backward()
@@ -307,6 +309,10 @@ def test_kept_gradients_are_not_overwritten(dist_run, which):
     results = dist_run(_saved_gradients_stay_intact, which, 25.0, world_size=2)
     for intact, _ in results:
         assert intact == [True] * 4
+    if which == slice(1, 2):
+        results = dist_run(_saved_gradients_stay_intact, which, 25.0, True, world_size=2)
+        for intact, _ in results:
+            assert intact == [True] * 4
     if which == slice(None):
         results = dist_run(_saved_gradients_stay_intact, world_size=2)
         for intact, _ in results:

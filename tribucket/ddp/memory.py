@@ -133,9 +133,12 @@ class BucketMemory:
         if buf is not self._views_of:
             self._views = self._views_of = None  # drop the old views before counting
             self.plan.forget(self.body(buf))
+            before = _use_count(buf)
             views = tuple(torch._C._nn.unflatten_dense_tensors(self.body(buf), self.params))
             self._views, self._views_of = views, buf
-            self._views_count = _use_count(buf)
+            # the buffer alone plus what the views add; not the count now, which includes
+            # references an in-flight allreduce still holds
+            self._views_count = self._base_count + _use_count(buf) - before
         return self._views
 
     def is_view(self, k: int, g: torch.Tensor | None, buf: torch.Tensor | None) -> bool:
