@@ -76,23 +76,28 @@ def _add_hooks(model: nn.Module, counting: bool) -> None:
         p.register_post_accumulate_grad_hook(count)
 
 
+def build_variant(name: str, model_name: str) -> tuple:
+    """``(model, what to call forward on, input, reducer or None)`` of one variant."""
+    import tribucket
+
+    model, x = make_model(model_name)
+    forward, closer = model, None
+    if name in ("no-op hook", "counting hook"):
+        _add_hooks(model, counting=name == "counting hook")
+    elif name.startswith("DDP"):
+        forward = nn.parallel.DistributedDataParallel(
+            model, gradient_as_bucket_view=name == "DDP view")
+    elif name == "tribucket":
+        closer = tribucket.Reducer(model)
+    return model, forward, x, closer
+
+
 def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warmup: int,
             out_path: str) -> None:
     init_rank(rank, world, port)
-    import tribucket
-
     steps = {}
     for name in VARIANTS:
-        model, x = make_model(model_name)
-        forward, closer = model, None
-        if name in ("no-op hook", "counting hook"):
-            _add_hooks(model, counting=name == "counting hook")
-        elif name.startswith("DDP"):
-            forward = nn.parallel.DistributedDataParallel(
-                model, gradient_as_bucket_view=name == "DDP view")
-        elif name == "tribucket":
-            closer = tribucket.Reducer(model)
-        steps[name] = (model, forward, x, closer)
+        steps[name] = build_variant(name, model_name)
 
     def run(name):
         model, forward, x, _ = steps[name]

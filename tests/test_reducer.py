@@ -284,15 +284,17 @@ def test_zero_grad_in_place_default_mode(dist_run):
              timeout=240)
 
 
-def _saved_gradients_stay_intact():
+def _saved_gradients_stay_intact(which=slice(None), bucket_cap_mb=0.001, derived=False):
     """A gradient the user keeps is never overwritten by a later iteration."""
     rank = dist.get_rank()
     model = build("mlp")
     out = []
-    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001) as reducer:
+    with tribucket.fused_bucketing(model, bucket_cap_mb=bucket_cap_mb) as reducer:
         for step in range(4):
             loss_of(model(batch("mlp", rank, step))).backward()
-            kept = [p.grad for p in model.parameters()]
+            kept = [p.grad for p in model.parameters()][which]
+            if derived:  # a view of a gradient, not the .grad tensor itself
+                kept = [g[:1] for g in kept]
             snapshot = [g.clone() for g in kept]
             model.zero_grad(set_to_none=True)
             loss_of(model(batch("mlp", rank, step + 10))).backward()
@@ -301,10 +303,20 @@ def _saved_gradients_stay_intact():
         return out, reducer.stats.bucket_bytes_allocated
 
 
-def test_kept_gradients_are_not_overwritten(dist_run):
-    results = dist_run(_saved_gradients_stay_intact, world_size=2)
+@pytest.mark.parametrize("which", [slice(None), slice(-1, None), slice(1, 2)])
+def test_kept_gradients_are_not_overwritten(dist_run, which):
+    """All gradients, or one of a bucket lent whole (views reused across iterations)."""
+    results = dist_run(_saved_gradients_stay_intact, which, 25.0, world_size=2)
     for intact, _ in results:
         assert intact == [True] * 4
+    if which == slice(1, 2):
+        results = dist_run(_saved_gradients_stay_intact, which, 25.0, True, world_size=2)
+        for intact, _ in results:
+            assert intact == [True] * 4
+    if which == slice(None):
+        results = dist_run(_saved_gradients_stay_intact, world_size=2)
+        for intact, _ in results:
+            assert intact == [True] * 4
 
 
 # ---------------------------------------------------------------- close() mid-backward

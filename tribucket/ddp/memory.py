@@ -18,6 +18,8 @@ saves one full pass over the bucket. What happens next depends on what the user 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..layout import Bucket
@@ -33,7 +35,7 @@ class BucketMemory:
     __slots__ = ("bucket", "params", "dtype", "plan", "always_view", "transfer", "active",
                  "lent", "eager", "_ptr_offsets", "_contiguous", "_gaps", "_base_count",
                  "_mode", "_copied", "_checked", "_checked_unpack", "tail", "_dense",
-                 "_packed")
+                 "_packed", "_views", "_views_of", "_views_count")
 
     def __init__(self, bucket: Bucket, params: list[torch.Tensor], wire_dtype: torch.dtype,
                  plan, always_view: bool, eager: bool = False, tail: int = 0):
@@ -65,6 +67,13 @@ class BucketMemory:
         # lent with one C++ call (unflatten_dense_tensors) instead of a view per parameter
         self._dense = all(self._contiguous) and self._gaps is None and not always_view
         self._packed = False  # this pass: packed by one plan call into a buffer no .grad views
+        # the .grad views of the last buffer lent whole (dense case), kept across iterations:
+        # lending the same buffer again re-points .grad at them instead of making new views
+        # (a view costs ~3 us; re-pointing ~0.4 us). ``_views_count``: the buffer's storage
+        # use count with only the reducer and these views holding it.
+        self._views: tuple | None = None
+        self._views_of: torch.Tensor | None = None
+        self._views_count = 0
 
     @staticmethod
     def _gap_index(bucket: Bucket) -> torch.Tensor | None:
@@ -114,7 +123,25 @@ class BucketMemory:
         return buf
 
     def _is_free(self, buf: torch.Tensor) -> bool:
+        if buf is self._views_of:
+            # nothing holds a view of it but our cached ones, and nobody holds those (a
+            # cached view referenced from Python by the list and getrefcount's argument only)
+            return (_use_count(buf) <= self._views_count
+                    and max(map(sys.getrefcount, self._views)) <= 2)
         return self._base_count is not None and _use_count(buf) <= self._base_count
+
+    def _whole_views(self, buf: torch.Tensor) -> tuple:
+        """The .grad views of a whole dense buffer: the cached ones if they view ``buf``."""
+        if buf is not self._views_of:
+            self._views = self._views_of = None  # drop the old views before counting
+            self.plan.forget(self.body(buf))
+            before = _use_count(buf)
+            views = tuple(torch._C._nn.unflatten_dense_tensors(self.body(buf), self.params))
+            self._views, self._views_of = views, buf
+            # the buffer alone plus what the views add; not the count now, which includes
+            # references an in-flight allreduce still holds
+            self._views_count = self._base_count + _use_count(buf) - before
+        return self._views
 
     def is_view(self, k: int, g: torch.Tensor | None, buf: torch.Tensor | None) -> bool:
         """Whether gradient ``g`` of parameter ``k`` is its slice of ``buf``."""
@@ -209,11 +236,10 @@ class BucketMemory:
                 and result.dtype == buf.dtype:
             if packed and self._dense and all_targets:
                 # a fresh (or free) buffer no gradient views yet: lend it whole, in one call
-                views = torch._C._nn.unflatten_dense_tensors(self.body(buf), self.params)
-                for q, v in zip(self.params, views):
+                self.plan.forget(self.body(buf))
+                for q, v in zip(self.params, self._whole_views(buf)):
                     q.grad = v
                 self.lent, self.active = buf, None
-                self.plan.forget(self.body(buf))
                 return False
             for k, q in enumerate(self.params):
                 if not targets[k]:
@@ -265,4 +291,4 @@ class BucketMemory:
         return buf
 
     def reset(self) -> None:
-        self.active = self.lent = None
+        self.active = self.lent = self._views = self._views_of = None
