@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_step import _free_port, make_model  # noqa: E402  (the step benchmark's model)
+from _bench import free_port  # noqa: E402
+from bench_step import make_model  # noqa: E402  (the step benchmark's model)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 VARIANTS = ["DDP", "tribucket", "tribucket timeout=", "tribucket debug"]
@@ -111,7 +112,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=5)
     args = ap.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    port, load = _free_port(), os.getloadavg()[0]
+    port, load = free_port(), os.getloadavg()[0]
     tmp = RESULTS / ".guard.json"
     mp.spawn(_worker, args=(port, args.rounds, args.warmup, str(tmp)), nprocs=2)
     times = json.loads(tmp.read_text())
