@@ -1,11 +1,15 @@
-"""Helpers the step benchmarks share: run a worker on 2 gloo ranks, plot medians as bars."""
+"""Helpers the step benchmarks share: spawn gloo ranks on this host, time variants
+round-robin, plot medians as bars."""
 
 from __future__ import annotations
 
 import json
 import pathlib
 import socket
+import time
+from typing import Callable
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -15,15 +19,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn(worker: Callable, args: tuple, world: int, out: pathlib.Path,
+          extra: tuple = ()) -> dict:
+    """Run ``worker(rank, world, port, *args, str(out), *extra)`` on ``world`` ranks; rank 0
+    writes its figures to ``out`` as JSON, returned here."""
+    mp.spawn(worker, args=(world, free_port(), *args, str(out), *extra), nprocs=world)
+    data = json.loads(out.read_text())
+    out.unlink()
+    return data
+
+
 def spawn_measure(worker, tmp: pathlib.Path, model_name: str, rounds: int, warmup: int,
                   world: int = 2, *extra) -> dict:
-    """Run ``worker(rank, world, port, model_name, rounds, warmup, out_path, *extra)`` on
-    ``world`` processes; rank 0 writes its JSON result to ``tmp``, returned here."""
-    mp.spawn(worker, args=(world, free_port(), model_name, rounds, warmup, str(tmp), *extra),
-             nprocs=world)
-    data = json.loads(tmp.read_text())
-    tmp.unlink()
-    return data
+    """:func:`spawn` for the step benchmarks' workers
+    (``worker(rank, world, port, model_name, rounds, warmup, out_path, *extra)``)."""
+    return spawn(worker, (model_name, rounds, warmup), world, tmp, extra)
 
 
 def bar_plot(results: list[dict], variants: list[str], colors: list[str], title: str,
@@ -72,3 +82,19 @@ def init_worker(rank: int, world: int, port: int, backend: str = "gloo"):
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     return device
+
+
+def round_robin(run: Callable[[str], None], names: list[str], rounds: int,
+                warmup: int) -> dict[str, list[float]]:
+    """Seconds per step of each variant: one step of each per round (so drift in machine
+    load hits all alike), every step starting together on every rank."""
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for it in range(warmup + rounds):
+        for name in names:
+            dist.barrier()
+            t0 = time.perf_counter()
+            run(name)
+            dt = time.perf_counter() - t0
+            if it >= warmup:
+                times[name].append(dt)
+    return times

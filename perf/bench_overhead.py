@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _gloo_run import init_rank, round_robin, spawn  # noqa: E402
+from _bench import init_worker, round_robin, spawn  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 VARIANTS = ["local", "no-op hook", "counting hook", "DDP", "DDP view", "tribucket"]
@@ -94,7 +94,7 @@ def build_variant(name: str, model_name: str) -> tuple:
 
 def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warmup: int,
             out_path: str) -> None:
-    init_rank(rank, world, port)
+    init_worker(rank, world, port)
     steps = {}
     for name in VARIANTS:
         steps[name] = build_variant(name, model_name)

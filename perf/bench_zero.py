@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _gloo_run import init_rank, round_robin, spawn  # noqa: E402
+from _bench import init_worker, round_robin, spawn  # noqa: E402
 from bench_step import make_model  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -132,7 +132,7 @@ class _Variant:
 
 def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warmup: int,
             out_path: str) -> None:
-    init_rank(rank, world, port)
+    init_worker(rank, world, port)
     variants = {name: _Variant(name, model_name) for name in VARIANTS}
     times = round_robin(lambda name: variants[name].step(), VARIANTS, rounds, warmup)
     memory = {}

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _gloo_run import free_port  # noqa: E402
+from _bench import free_port  # noqa: E402
 from _results import save  # noqa: E402
 from bench_overhead import STACKS, build_variant, make_model  # noqa: E402
 
