@@ -10,7 +10,8 @@ Files, in the order one gradient meets them:
 * ``tribucket.kernels``: the fused pack/unpack.
 
 Around them: ``reducer.py`` (the public ``Reducer``: attaching, ``no_sync``, comm hooks,
-``close``), ``state.py`` (one backward pass, ``ReducerStats``), ``status.py`` (the
+``close``), ``forward.py`` (its forward hooks: buffers, ``no_sync``, the end-of-backward
+callback), ``allocate.py`` (building the buckets of a layout), ``state.py`` (one backward pass, ``ReducerStats``), ``status.py`` (the
 end-of-backward agreement), ``rebuild.py`` (which layout), ``join.py`` (uneven inputs),
 ``resume.py`` (checkpoints), ``model.py`` (which parameters, the same on every rank),
 ``watchdog.py`` (timeouts, debug fingerprints), ``claims.py`` (one live reducer per

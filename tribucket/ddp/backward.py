@@ -19,42 +19,26 @@ unpack kernel or on first use (``reducer.found_inf``, ``grad_norm()``, clipping,
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
 
-from .. import kernels
 from .._epilogue import Epilogue
 from .._shard import shard_buckets
 from ..config import ReducerConfig
 from ..layout import BucketLayout
 from . import resume
-from .bucket import BucketState, Comm, DenseBucket, GradHook, SparseBucket
+from .allocate import align_bytes, build_buckets
+from .bucket import BucketState, Comm, GradHook
 from .compat import CommTimings
 from .join import JoinFlags
-from .memory import BucketMemory
-from .rebuild import DDP_ALIGN_BYTES, LayoutPolicy
-from .shard import ShardedBucket, ShardGrads
-from .state import Pass, ReducerStats
+from .rebuild import LayoutPolicy
+from .shard import ShardGrads
+from .state import Pass, ReducerStats, log_buckets
 from .status import Status, second_gradient_error, static_graph_error
 from .watchdog import CommGuard
 
 __all__ = ["Backward"]
-
-logger = logging.getLogger("tribucket")
-
-# Alignment of each gradient inside a bucket for tribucket's own paths on GPU (16 bytes lets
-# the kernels use 128-bit accesses). Generic comm hooks, and the CPU, get DDP's unpadded
-# buffers.
-_ALIGN_BYTES = 16
-
-#: CPU, ``pack_on_ready=None``: a bucket whose gradients average at least this many bytes
-#: copies each gradient in as it becomes ready (it is still in cache, and the bucket is
-#: packed when its last gradient lands); a bucket of smaller ones is packed in one call when
-#: complete (per-gradient Python work costs more than the cache saves).
-_EAGER_MIN_BYTES = 64 * 1024
-
 
 class Backward:
     """The cross-bucket order and the end of backward of one reducer.
@@ -74,7 +58,7 @@ class Backward:
         self.status = Status(guard, self.rank, self.world_size, len(params), device,
                              config.needs_used_map)
         self.layout: BucketLayout = self.policy.initial()
-        self.buckets: list[DenseBucket | SparseBucket] = []  # built at the first backward
+        self.buckets: list = []                # built at the first backward (allocate)
         self.slot: list = []                   # parameter -> (its bucket, position in it)
         self.allocated = False                 # buckets match layout and hook
         self.piggyback = False                 # the status rides on the last bucket
@@ -218,43 +202,16 @@ class Backward:
     # ------------------------------------------------------------------ buckets
     def allocate(self) -> None:
         """Build the buckets of the current layout for the current hook."""
-        cfg, traits = self.config, self.comm.traits
         self._align_layout()
         specs = self.layout.buckets
         # the end-of-backward status rides at the end of the last bucket's allreduce when the
         # reducer sends that allreduce itself (one collective fewer per iteration)
-        self.piggyback = (self.world_size > 1 and traits.chunkable and bool(specs)
+        self.piggyback = (self.world_size > 1 and self.comm.traits.chunkable and bool(specs)
                           and not specs[-1].sparse and self.shards is None)
-        self.buckets, self.slot = [], [None] * len(self.params)
-        prev = None
-        for b, spec in enumerate(specs):
-            params = [self.params[i] for i in spec.indices]
-            last = b == len(specs) - 1
-            if spec.sparse:
-                bucket = SparseBucket(b, spec, params, last, self.names[spec.indices[0]])
-            else:
-                plan = kernels.BucketPlan(spec.sizes, spec.offsets, spec.numel, spec.device)
-                tail = self.status.length if self.piggyback and last else 0
-                if self.shards is not None:  # padding to equal slices
-                    tail = self.shards[b].padded_numel - spec.numel
-                mem = BucketMemory(spec, params, self._wire_dtype(spec.dtype), plan,
-                                   always_view=cfg.gradient_as_bucket_view,
-                                   eager=self._eager(spec), tail=tail)
-                if cfg.gradient_as_bucket_view and any(q.grad is not None for q in params):
-                    # (rebuild) carry the accumulated gradients over and view the new bucket
-                    buf = mem.pack([q.grad for q in params], 1.0)
-                    mem.finish(buf, [q.grad is not None for q in params])
-                if self.shards is not None:
-                    bucket = ShardedBucket(b, spec, params, last, mem, self.shards[b],
-                                           self.shard_grads, prev)
-                else:
-                    bucket = DenseBucket(b, spec, params, last, mem,
-                                         mem.chunk_bounds(cfg.comm_chunk_mb, traits.chunkable),
-                                         self._write_status_tail if tail else None, prev)
-            for k, i in enumerate(spec.indices):
-                self.slot[i] = (bucket, k)
-            self.buckets.append(bucket)
-            prev = bucket
+        self.buckets, self.slot = build_buckets(
+            self.config, self.layout, self.params, self.names, self.comm, self.device,
+            self.status.length, self.piggyback, self.shards, self.shard_grads,
+            self._write_status_tail)
         if self.epilogue is not None:
             self.epilogue.close()
         self.epilogue = Epilogue([b.params for b in self.buckets],
@@ -267,32 +224,11 @@ class Backward:
                                                 if b.mem is not None)
 
     def _align_layout(self) -> None:
-        align = self._align_bytes()
+        align = align_bytes(self.comm.traits, self.device)
         if align != self.layout.align_bytes:
             encoded = self.layout.to_tensor().clone()
             encoded[2] = align
             self.layout = BucketLayout.from_tensor(encoded, self.params)
-
-    def _eager(self, spec) -> bool:
-        """Whether this bucket copies each gradient in as it becomes ready (see
-        ``ReducerConfig.pack_on_ready``): on CPU, buckets of large gradients."""
-        if self.config.pack_on_ready is not None:
-            return self.config.pack_on_ready
-        if self.device.type != "cpu":
-            return False  # GPU: one fused pack launch per complete bucket
-        return spec.payload_bytes >= _EAGER_MIN_BYTES * max(1, len(spec.indices))
-
-    def _align_bytes(self) -> int:
-        # Padding only helps the GPU kernels; generic hooks get DDP's unpadded buffers
-        if self.comm.traits.builtin and self.device.type == "cuda":
-            return _ALIGN_BYTES
-        return DDP_ALIGN_BYTES
-
-    def _wire_dtype(self, bucket_dtype: torch.dtype) -> torch.dtype:
-        wire = self.comm.traits.wire_dtype
-        if wire is not None and bucket_dtype in (torch.float32, torch.float16, torch.bfloat16):
-            return wire
-        return bucket_dtype
 
     # ------------------------------------------------------------------ end of backward
     def finalize(self) -> None:
@@ -357,7 +293,8 @@ class Backward:
                             t_end, done)
         if cfg.debug:
             st.bucket_comm_s = [done - b.t_launch for b in self.buckets]
-            self._log_buckets(st.bucket_comm_s)
+            log_buckets(self.rank, st.iterations, self.layout, self.names,
+                        st.bucket_comm_s)
         if self.policy.may_rebuild(self.rebuilt) and self.ready_order:
             self.rebuild(self.ready_order)
             for bucket in self.buckets:  # the averaged gradients, re-bucketed
@@ -461,11 +398,3 @@ class Backward:
         resume.agree_across_ranks(self.comm.hook, self.comm.hook_state, self.comm.traits,
                                   self.layout, self.rebuilt, self.stats.iterations,
                                   (self.static_counts, self.static_used), self.guard)
-
-    def _log_buckets(self, seconds: list[float]) -> None:
-        for b, (bucket, s) in enumerate(zip(self.layout.buckets, seconds)):
-            names = [self.names[i] for i in bucket.indices]
-            logger.info("tribucket rank %d iteration %d bucket %d: %d tensors, %d bytes, "
-                        "%.2f ms from launch to end of backward: %s", self.rank,
-                        self.stats.iterations, b, len(names), bucket.nbytes, s * 1e3,
-                        ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""))

@@ -5,11 +5,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from ..grad_bucket import GradBucket
+from ..hooks import _torch_single_collective_hooks
 from ..layout import Bucket
 
-__all__ = ["HookRef", "hook_name", "invoke", "invoke_after", "check_result"]
+__all__ = ["HookRef", "hook_name", "invoke", "invoke_after", "check_result",
+           "lend_timed_group"]
 
 
 def hook_name(hook: Callable | None) -> str:
@@ -124,3 +127,21 @@ class HookRef:
 
     def __reduce__(self):
         return (HookRef, (None, self.method))
+
+
+def lend_timed_group(group, hook: Callable, state: Any) -> tuple[Any, Any]:
+    """With ``timeout=`` (``group``: the reducer's timed hook group, else None): the state a
+    torch hook gets so its collectives go to a group with that timeout where it would use
+    the default group (``state=None`` for the hooks whose state is the process group; a
+    state whose ``process_group`` is None), and the state object lent the group (given back
+    at close), if any."""
+    if group is None:
+        return state, None
+    if state is None and hook in _torch_single_collective_hooks():
+        return group, None  # their state *is* the process group; None: the default one
+    if (state is not None and not isinstance(state, dist.ProcessGroup)
+            and getattr(state, "process_group", False) is None
+            and getattr(hook, "_tribucket_traits", None) is None):
+        state.process_group = group  # e.g. PowerSGDState(process_group=None)
+        return state, state
+    return state, None

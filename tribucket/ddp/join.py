@@ -50,7 +50,7 @@ class ReducerJoinHook(JoinHook):
         reducer._join_flags.divide_by_initial_world_size = bool(divide_by_initial_world_size)
 
     def main_hook(self) -> None:
-        self.reducer._shadow_iteration()
+        self.reducer._forward.shadow_iteration()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         # as DDP: the model of the last rank to join (ties: the highest rank) wins

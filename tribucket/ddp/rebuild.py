@@ -12,7 +12,7 @@ from .watchdog import CommGuard
 
 __all__ = ["DDP_ALIGN_BYTES", "LayoutPolicy"]
 
-# DDP's buffers are unpadded: tribucket's layouts start that way (see Reducer._align_bytes)
+# DDP's buffers are unpadded: tribucket's layouts start that way (see allocate.align_bytes)
 DDP_ALIGN_BYTES = 1
 
 

@@ -17,20 +17,20 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from .._env import describe_backend
 from ..comm import broadcast_coalesced
 from ..config import ReducerConfig
-from ..hooks import _hook_traits, _torch_single_collective_hooks
+from ..hooks import _hook_traits
 from ..layout import BucketLayout
 from . import resume
 from .backward import Backward
 from .bucket import Comm
 from .claims import claim, release
 from .compat import DDPCompat, bucket_sizes, logging_data
-from .graph import output_tensors, reachable_parameters
-from .hookcall import HookRef, hook_name
+from .forward import Forward
+from .hookcall import HookRef, hook_name, lend_timed_group
 from .join import JoinFlags, ReducerJoinHook
 from .model import expert_replica_sets, inspect_model, verify_across_ranks
 from .state import ReducerStats
@@ -96,14 +96,15 @@ class Reducer(DDPCompat, Joinable):
         # the backward passes: buckets, their order, the end of backward
         self._bw = Backward(config, self._params, self._names, view.expect_sparse,
                             self._guard, self._comm, self._join_flags, self._device)
-        self._require_forward_param_sync = True  # broadcast buffers before the next forward
         self._found_inf = torch.zeros(1, dtype=torch.float32, device=self._device)
         self._initial_sizes = bucket_sizes(self._bw.layout)  # logging_data()'s bucket_sizes
         #: figures of the last backward (:class:`ReducerStats`)
         self.stats = self._bw.stats
         self._handles: list = []
         self._hook_refs: list[HookRef] = []
-        self._backward_start_ref = self._hook_ref(self._bw, "on_backward_start")
+        self._forward = Forward(config, self._bw, self._guard, self._join_flags, self._params,
+                                self._buffers, self.world_size, self,
+                                self._hook_ref(self._bw, "on_backward_start"))
         self._attach()
         #: reducers averaging expert replicas over their replica groups (expert x data
         #: parallelism), one per replica group, built with this reducer's options
@@ -125,8 +126,9 @@ class Reducer(DDPCompat, Joinable):
             # with __call__ through slot_tp_call (~300 instructions more per gradient)
             self._handles.append(p.register_post_accumulate_grad_hook(hook.__call__))
         self._handles.append(module.register_forward_pre_hook(
-            self._hook_ref(self, "_pre_forward")))
-        self._handles.append(module.register_forward_hook(self._hook_ref(self, "_post_forward")))
+            self._hook_ref(self._forward, "pre_forward")))
+        self._handles.append(module.register_forward_hook(
+            self._hook_ref(self._forward, "post_forward")))
 
     def _hook_ref(self, target: Any, method: str, *args: Any) -> HookRef:
         ref = HookRef(target, method, args)
@@ -248,7 +250,8 @@ class Reducer(DDPCompat, Joinable):
                 "buffer, so there is no full-precision bucket for .grad to view: use "
                 "gradient_as_bucket_view=False with fused compression hooks")
         comm = self._comm
-        state = self._lend_timed_group(hook, state)
+        state, lent = lend_timed_group(self._guard.hook_group, hook, state)
+        self._lent_to = lent if lent is not None else self._lent_to
         comm.hook, comm.hook_state, comm.traits = hook, state, traits
         if traits.chunkable:  # the reducer sends it itself, on the group the state names
             named = getattr(state, "process_group", None) if not isinstance(
@@ -267,22 +270,6 @@ class Reducer(DDPCompat, Joinable):
         bw = self._bw
         return logging_data(self, self._params, self._comm.hook, self._initial_sizes,
                             bw.unused, bw.rebuilt, bw.timings)
-
-    def _lend_timed_group(self, hook: Callable, state: Any) -> Any:
-        """With ``timeout=``: the state a torch hook gets so its collectives go to a group
-        with that timeout where it would use the default group (``state=None`` for the
-        hooks whose state is the process group; a state whose ``process_group`` is None)."""
-        group = self._guard.hook_group
-        if group is None:
-            return state
-        if state is None and hook in _torch_single_collective_hooks():
-            return group  # their state *is* the process group; None means the default one
-        if (state is not None and not isinstance(state, dist.ProcessGroup)
-                and getattr(state, "process_group", False) is None
-                and getattr(hook, "_tribucket_traits", None) is None):
-            state.process_group = group  # e.g. PowerSGDState(process_group=None)
-            self._lent_to = state
-        return state
 
     def state_dict(self) -> dict:
         """What a resumed run needs: the (rebuilt) layout, the iteration count, hook state."""
@@ -384,69 +371,6 @@ class Reducer(DDPCompat, Joinable):
     @property
     def join_process_group(self) -> Any:
         return self.process_group
-
-    # ------------------------------------------------------------------ forward hooks
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        joining = self._join_config.enable
-        if not torch.is_grad_enabled():
-            # evaluation: by default no collective, so `if rank == 0: evaluate(model)` works;
-            # broadcast_buffers="ddp" decides as DDP (the previous forward was a training
-            # one: broadcast), so every rank must then run it
-            if self.config.broadcast_buffers == "ddp" and not joining:
-                if self._require_forward_param_sync:
-                    self._broadcast_buffers(lambda: 0)
-                self._require_forward_param_sync = False
-            return
-        if self._bw.pass_ is not None and torch._C._current_graph_task_id() == -1:
-            self._bw.settle_abandoned()  # outside any backward: the last one raised
-        self._guard.step = self._bw.forwards
-        if joining:
-            self._bw.join_work = Join.notify_join_context(self)
-        if self._require_forward_param_sync:
-            # under Join rank 0 may have left: agree on the highest rank still training
-            self._broadcast_buffers(lambda: self._join_flags.common_rank(True, self._bw.passes)
-                                    if joining else 0)
-        if joining:  # tell joined ranks whether this iteration synchronises
-            self._join_flags.allreduce(1.0 if self._bw.sync_enabled else 0.0, self._bw.passes)
-
-    def _broadcast_buffers(self, source: Callable[[], int]) -> None:
-        if not (self.config.broadcast_buffers and self._buffers and self.world_size > 1):
-            return
-        src = source()
-        self._guard.fingerprint("buffers", self._bw.passes, 0, len(self._buffers), None)
-        broadcast_coalesced([b.detach() for _, b in self._buffers], src=src,
-                            group=self._guard.group_arg())
-
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
-        bw = self._bw
-        sync = bw.sync_enabled
-        if module.training:
-            bw.forwards += 1  # a training step; compared across ranks at its backward
-        self._require_forward_param_sync = sync
-        bw.fwd_sync = sync
-        outs = output_tensors(output)
-        if sync and self.config.dynamic_unused:
-            reached = reachable_parameters(outs)
-            bw.unused = [i for i, p in enumerate(self._params) if id(p) not in reached]
-        # queue the end-of-backward callback from the outermost backward that reaches
-        # an output (a hook on the parameters could fire inside a reentrant backward)
-        for t in outs:
-            if t.grad_fn is not None:
-                t.grad_fn.register_prehook(self._backward_start_ref)
-
-    def _shadow_iteration(self) -> None:
-        """On a rank that ran out of inputs (``Join``): issue the collectives one iteration
-        of the others issues, contributing zeros."""
-        bw, flags = self._bw, self._join_flags
-        if self._require_forward_param_sync:
-            self._broadcast_buffers(lambda: flags.common_rank(False, bw.passes))
-        sync = flags.allreduce(0.0, bw.passes) != 0
-        self._require_forward_param_sync = sync
-        bw.passes += 1
-        if sync:
-            bw.shadow_pass()
 
 
 def fused_bucketing(model: nn.Module, process_group: dist.ProcessGroup | None = None, *,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["ReducerStats"]
+__all__ = ["ReducerStats", "log_buckets"]
+
+logger = logging.getLogger("tribucket")
 
 
 @dataclass
@@ -65,3 +68,15 @@ class Pass:
         self.step = 0                          # training forwards run before this backward
         self.plain = False                     # a gradient needs only to be counted in:
         # synced, first gradient seen, no hook counts, no used map, no order to record
+
+
+def log_buckets(rank: int, iteration: int, layout, names: list[str],
+                seconds: list[float]) -> None:
+    """``debug=True``: log each bucket's tensors and its time from launch to the end of
+    backward."""
+    for b, (bucket, s) in enumerate(zip(layout.buckets, seconds)):
+        tensors = [names[i] for i in bucket.indices]
+        logger.info("tribucket rank %d iteration %d bucket %d: %d tensors, %d bytes, "
+                    "%.2f ms from launch to end of backward: %s", rank, iteration, b,
+                    len(tensors), bucket.nbytes, s * 1e3,
+                    ", ".join(tensors[:8]) + (" ..." if len(tensors) > 8 else ""))

@@ -1,0 +1,103 @@
+"""The reducer's forward hooks: what a forward decides for the backward that follows.
+
+Before a training forward: settle a backward that raised, broadcast buffers (as DDP does),
+tell ranks that ran out of inputs (``Join``) whether this iteration synchronises. After it:
+count the training step, record whether the backward synchronises (``no_sync``), which
+parameters the forward reached (``find_unused_parameters``), and queue the end-of-backward
+callback from the outputs' ``grad_fn``. A rank that joined replays the collectives of one
+iteration (:meth:`Forward.shadow_iteration`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.join import Join
+
+from ..comm import broadcast_coalesced
+from ..config import ReducerConfig
+from .backward import Backward
+from .graph import output_tensors, reachable_parameters
+from .join import JoinFlags
+from .watchdog import CommGuard
+
+__all__ = ["Forward"]
+
+
+class Forward:
+    """The forward pre-hook and hook of one reducer (registered by it through ``HookRef``).
+
+    ``joinable``: the reducer, as ``torch.distributed.algorithms.Join`` knows it."""
+
+    def __init__(self, config: ReducerConfig, bw: Backward, guard: CommGuard,
+                 join_flags: JoinFlags, params: list[torch.Tensor], buffers: list,
+                 world_size: int, joinable: Any, backward_start: Callable):
+        self.config, self.bw, self.guard, self.join_flags = config, bw, guard, join_flags
+        self.params, self.buffers, self.world_size = params, buffers, world_size
+        self.joinable, self.backward_start = joinable, backward_start
+        self.require_param_sync = True  # broadcast buffers before the next forward
+
+    def pre_forward(self, module: nn.Module, args: Any) -> None:
+        joining = self.joinable._join_config.enable
+        bw = self.bw
+        if not torch.is_grad_enabled():
+            # evaluation: by default no collective, so `if rank == 0: evaluate(model)` works;
+            # broadcast_buffers="ddp" decides as DDP (the previous forward was a training
+            # one: broadcast), so every rank must then run it
+            if self.config.broadcast_buffers == "ddp" and not joining:
+                if self.require_param_sync:
+                    self.broadcast_buffers(lambda: 0)
+                self.require_param_sync = False
+            return
+        if bw.pass_ is not None and torch._C._current_graph_task_id() == -1:
+            bw.settle_abandoned()  # outside any backward: the last one raised
+        self.guard.step = bw.forwards
+        if joining:
+            bw.join_work = Join.notify_join_context(self.joinable)
+        if self.require_param_sync:
+            # under Join rank 0 may have left: agree on the highest rank still training
+            self.broadcast_buffers(lambda: self.join_flags.common_rank(True, bw.passes)
+                                   if joining else 0)
+        if joining:  # tell joined ranks whether this iteration synchronises
+            self.join_flags.allreduce(1.0 if bw.sync_enabled else 0.0, bw.passes)
+
+    def broadcast_buffers(self, source: Callable[[], int]) -> None:
+        if not (self.config.broadcast_buffers and self.buffers and self.world_size > 1):
+            return
+        src = source()
+        self.guard.fingerprint("buffers", self.bw.passes, 0, len(self.buffers), None)
+        broadcast_coalesced([b.detach() for _, b in self.buffers], src=src,
+                            group=self.guard.group_arg())
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        bw = self.bw
+        sync = bw.sync_enabled
+        if module.training:
+            bw.forwards += 1  # a training step; compared across ranks at its backward
+        self.require_param_sync = sync
+        bw.fwd_sync = sync
+        outs = output_tensors(output)
+        if sync and self.config.dynamic_unused:
+            reached = reachable_parameters(outs)
+            bw.unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+        # queue the end-of-backward callback from the outermost backward that reaches
+        # an output (a hook on the parameters could fire inside a reentrant backward)
+        for t in outs:
+            if t.grad_fn is not None:
+                t.grad_fn.register_prehook(self.backward_start)
+
+    def shadow_iteration(self) -> None:
+        """On a rank that ran out of inputs (``Join``): issue the collectives one iteration
+        of the others issues, contributing zeros."""
+        bw, flags = self.bw, self.join_flags
+        if self.require_param_sync:
+            self.broadcast_buffers(lambda: flags.common_rank(False, bw.passes))
+        sync = flags.allreduce(0.0, bw.passes) != 0
+        self.require_param_sync = sync
+        bw.passes += 1
+        if sync:
+            bw.shadow_pass()
