@@ -12,6 +12,10 @@ in machine load hits all alike):
 * ``DDP view``       DDP with ``gradient_as_bucket_view=True``
 * ``tribucket``      ``tribucket.Reducer`` with its defaults
 
+Besides the wall clock, each step's CPU time of the rank's main thread (the one that runs
+autograd and the hooks) is recorded: it counts the host work alone, not the time the
+thread waits for communication or is preempted by the communication threads.
+
 Models: stacks of ``Linear(w, w) + LayerNorm(w)`` blocks (4 tensors per block) from 128 to
 2048 parameters, and the 128-tensor MLP of ``bench_step.py``. The figure is the median over
 rounds after warm-up of rank 0's step; the host cost per parameter is
@@ -104,12 +108,23 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
         model.zero_grad(set_to_none=True)
         forward(x).square().sum().backward()
 
-    times = round_robin(run, VARIANTS, rounds, warmup)
+    # wall clock of each step, and the CPU time of this rank's main (autograd) thread in it:
+    # the host work itself, without the time the thread waits or is preempted
+    thread_s: dict[str, list[float]] = {k: [] for k in VARIANTS}
+
+    def timed(name):
+        t0 = time.thread_time()
+        run(name)
+        thread_s[name].append(time.thread_time() - t0)
+
+    times = round_robin(timed, VARIANTS, rounds, warmup)
     if rank == 0:
         model = steps["local"][0]
         out = {"model": model_name, "tensors": len(list(model.parameters())),
                "elements": sum(p.numel() for p in model.parameters()),
                "median_s": {k: statistics.median(v) for k, v in times.items()},
+               "thread_median_s": {k: statistics.median(v[warmup:])
+                                   for k, v in thread_s.items()},
                "all_s": times}
         with open(out_path, "w") as f:
             json.dump(out, f)
@@ -125,8 +140,8 @@ def measure(model_name: str, rounds: int, warmup: int, world: int = 2) -> dict:
                  RESULTS / f".overhead_{model_name}.json")
 
 
-def per_param_us(res: dict, variant: str) -> float:
-    med = res["median_s"]
+def per_param_us(res: dict, variant: str, key: str = "median_s") -> float:
+    med = res[key]
     return (med[variant] - med["local"]) / res["tensors"] * 1e6
 
 
@@ -139,8 +154,9 @@ def table(results: list[dict], meta: dict) -> str:
              f"{load[0]:.2f} at the start, {meta['loadavg_end'][0]:.2f} at the end.", "",
              "| model | tensors | local (ms) | no-op hook | DDP | DDP view | tribucket | "
              "tribucket / DDP | tribucket / DDP view | us per parameter over local: "
-             "no-op hook / counting hook / DDP / tribucket |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "no-op hook / counting hook / DDP / tribucket | main-thread CPU us per "
+             "parameter over local: DDP / DDP view / tribucket |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for res in results:
         med = {k: v * 1e3 for k, v in res["median_s"].items()}
         what = ("MLP 64 x Linear(256)" if res["model"] == "mlp" else
@@ -148,10 +164,13 @@ def table(results: list[dict], meta: dict) -> str:
                                                            w=STACKS[int(res["model"])][1]))
         us = " / ".join(f"{per_param_us(res, v):.1f}"
                         for v in ("no-op hook", "counting hook", "DDP", "tribucket"))
+        cpu = (" / ".join(f"{per_param_us(res, v, 'thread_median_s'):.1f}"
+                          for v in ("DDP", "DDP view", "tribucket"))
+               if "thread_median_s" in res else "not measured")
         lines.append(f"| {what} | {res['tensors']} | {med['local']:.1f} | "
                      f"{med['no-op hook']:.1f} | {med['DDP']:.1f} | {med['DDP view']:.1f} | "
                      f"**{med['tribucket']:.1f}** | {med['tribucket'] / med['DDP']:.2f}x | "
-                     f"{med['tribucket'] / med['DDP view']:.2f}x | {us} |")
+                     f"{med['tribucket'] / med['DDP view']:.2f}x | {us} | {cpu} |")
     verdicts = []
     for res in results:
         for (model, ref), limit in TARGETS.items():
