@@ -28,12 +28,15 @@ gradients and keeps them fresh (the norm scales with the factor, the flag stays)
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Iterable, Sequence
 
 import torch
 
 from .kernels.pack import norms_fp32
+
+_grad_of = operator.attrgetter("grad")
 
 __all__ = ["Epilogue", "reducer_clip_with_norm_", "reducer_found_inf_for", "reducer_norm_for",
            "reducer_scale_"]
@@ -70,15 +73,48 @@ def _norm_of(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 class _Record:
-    """What one bucket's gradients were when the reducer finished them, and their figures."""
+    """What one bucket's gradients were when the reducer finished them, and their figures.
 
-    __slots__ = ("refs", "versions", "norm", "flag")
+    Two forms. A bucket lent whole: its ``.grad`` are the memory's cached views of one
+    buffer (``views``), which share the buffer's version counter, so the record is that
+    tuple and one version: O(1) to take, which matters because it is taken for every bucket
+    of every backward whether or not anything reads it. Otherwise: a weak reference and a
+    version per gradient."""
 
-    def __init__(self, grads: list):
-        self.refs = [None if g is None else weakref.ref(g) for g in grads]
-        self.versions = [0 if g is None else g._version for g in grads]
+    __slots__ = ("views", "version", "refs", "versions", "norm", "flag")
+
+    def __init__(self, grads: list | None, views: tuple | None = None):
+        self.views = views
+        self.version = views[0]._version if views else 0
+        self.refs = self.versions = None
+        if views is None:
+            self.refs = [None if g is None else weakref.ref(g) for g in grads]
+            self.versions = [0 if g is None else g._version for g in grads]
         self.norm: torch.Tensor | None = None  # 0-dim float32, computed on demand
         self.flag: torch.Tensor | None = None  # 0-dim float32: 1.0 = some value inf/NaN
+
+    def is_current(self, params: list[torch.Tensor]) -> bool:
+        """Whether every parameter's ``.grad`` is still the tensor recorded, unmodified."""
+        views = self.views
+        if views is not None:
+            return (all(map(operator.is_, map(_grad_of, params), views))
+                    and (not views or views[0]._version == self.version))
+        for q, ref, v in zip(params, self.refs, self.versions):
+            g = q.grad
+            if ref is None:
+                if g is not None:
+                    return False
+            elif g is None or g is not ref() or g._version != v:
+                return False
+        return True
+
+    def update_versions(self, params: list[torch.Tensor]) -> None:
+        """The recorded gradients were changed in place by the reducer (scaled): still the
+        record's."""
+        if self.views is not None:
+            self.version = self.views[0]._version if self.views else 0
+        else:
+            self.versions = [0 if q.grad is None else q.grad._version for q in params]
 
 
 class Epilogue:
@@ -120,7 +156,9 @@ class Epilogue:
         if self.mems[b] is None:
             self.records[b] = None
             return
-        rec = self.records[b] = _Record([q.grad for q in self.params[b]])
+        views = self.mems[b].lent_views()
+        rec = self.records[b] = (_Record(None, views) if views is not None else
+                                 _Record([q.grad for q in self.params[b]]))
         if stats is not None:
             rec.norm = stats[0].sqrt()
             rec.flag = (stats[1] > 0).float()
@@ -129,15 +167,8 @@ class Epilogue:
     def fresh(self, b: int) -> _Record | None:
         """Bucket ``b``'s record if every gradient is still what the reducer finished."""
         rec = self.records[b]
-        if rec is None:
+        if rec is None or not rec.is_current(self.params[b]):
             return None
-        for q, ref, v in zip(self.params[b], rec.refs, rec.versions):
-            g = q.grad
-            if ref is None:
-                if g is not None:
-                    return None
-            elif g is None or g is not ref() or g._version != v:
-                return None
         return rec
 
     def _grads(self, b: int) -> list[torch.Tensor]:
@@ -149,6 +180,9 @@ class Epilogue:
         rank: the pack wrote zeros); after a user's ``p.grad = None`` its slot is stale."""
         mem = self.mems[b]
         buf = mem.lent
+        rec = self.records[b]
+        if buf is not None and rec is not None and rec.views is not None:
+            return mem.body(buf)  # (fresh, lent whole: every .grad is one of its views)
         if buf is None or not all(q.grad is None or mem.is_view(k, q.grad, buf)
                                   for k, q in enumerate(self.params[b])):
             return None
@@ -217,7 +251,7 @@ class Epilogue:
         # versions after every multiply: gradients of two buckets may share a storage (the
         # views of the buffer before a rebuild), whose version counter both writes bump
         for b, rec in zip(buckets, recs):
-            rec.versions = [0 if q.grad is None else q.grad._version for q in self.params[b]]
+            rec.update_versions(self.params[b])
             if rec.norm is not None:
                 f = factor if isinstance(factor, torch.Tensor) else torch.tensor(factor)
                 # |factor| <= 1 (unscaling, clipping) keeps finite values finite and the flag

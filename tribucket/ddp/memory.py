@@ -35,7 +35,7 @@ class BucketMemory:
     __slots__ = ("bucket", "params", "dtype", "plan", "always_view", "transfer", "active",
                  "lent", "eager", "_ptr_offsets", "_contiguous", "_gaps", "_base_count",
                  "_mode", "_copied", "_checked", "_checked_unpack", "tail", "_dense",
-                 "_packed", "_views", "_views_of", "_views_count")
+                 "_packed", "_views", "_views_of", "_views_count", "_whole")
 
     def __init__(self, bucket: Bucket, params: list[torch.Tensor], wire_dtype: torch.dtype,
                  plan, always_view: bool, eager: bool = False, tail: int = 0):
@@ -74,6 +74,7 @@ class BucketMemory:
         self._views: tuple | None = None
         self._views_of: torch.Tensor | None = None
         self._views_count = 0
+        self._whole = False  # the last finish lent the buffer whole: .grad are _views
 
     @staticmethod
     def _gap_index(bucket: Bucket) -> torch.Tensor | None:
@@ -142,6 +143,14 @@ class BucketMemory:
             # references an in-flight allreduce still holds
             self._views_count = self._base_count + _use_count(buf) - before
         return self._views
+
+    def lent_views(self) -> tuple | None:
+        """The ``.grad`` of every parameter, as the last :meth:`finish` set them, when it lent
+        the buffer whole (one view per parameter, in order; they share the buffer's version
+        counter); else None."""
+        if self._whole and self.lent is not None and self.lent is self._views_of:
+            return self._views
+        return None
 
     def is_view(self, k: int, g: torch.Tensor | None, buf: torch.Tensor | None) -> bool:
         """Whether gradient ``g`` of parameter ``k`` is its slice of ``buf``."""
@@ -232,6 +241,7 @@ class BucketMemory:
         """
         buf = self.active
         packed, self._packed = self._packed, False
+        self._whole = False
         if self.transfer and buf is not None and result.data_ptr() == buf.data_ptr() \
                 and result.dtype == buf.dtype:
             if packed and self._dense and all_targets:
@@ -239,7 +249,7 @@ class BucketMemory:
                 self.plan.forget(self.body(buf))
                 for q, v in zip(self.params, self._whole_views(buf)):
                     q.grad = v
-                self.lent, self.active = buf, None
+                self.lent, self.active, self._whole = buf, None, True
                 return False
             for k, q in enumerate(self.params):
                 if not targets[k]:
@@ -292,3 +302,4 @@ class BucketMemory:
 
     def reset(self) -> None:
         self.active = self.lent = self._views = self._views_of = None
+        self._whole = False
