@@ -31,7 +31,7 @@ from .claims import claim, release
 from .compat import DDPCompat, bucket_sizes, logging_data
 from .graph import output_tensors, reachable_parameters
 from .hookcall import HookRef, hook_name
-from .join import JoinFlags, ReducerJoinHook
+from .join import JoinFlags, ReducerJoinHook, refuse_join_with_experts
 from .model import expert_replica_sets, inspect_model, verify_across_ranks
 from .state import ReducerStats
 from .watchdog import CommGuard
@@ -285,13 +285,15 @@ class Reducer(DDPCompat, Joinable):
         return state
 
     def state_dict(self) -> dict:
-        """What a resumed run needs: the (rebuilt) layout, the iteration count, hook state."""
+        """What a resumed run needs: the (rebuilt) layout, the iteration count, hook state;
+        with expert replicas, the expert reducers' too (under a key of this rank's own)."""
         bw = self._bw
         progress = dict(rebuilt=bw.rebuilt, iterations=bw.stats.iterations,
                         passes=bw.passes, static_counts=bw.static_counts,
                         static_used=bw.static_used)
-        return resume.state_dict(self._names, bw.layout, progress, self._comm.hook,
-                                 self._comm.hook_state, self.rank, self.world_size)
+        state = resume.state_dict(self._names, bw.layout, progress, self._comm.hook,
+                                  self._comm.hook_state, self.rank, self.world_size)
+        return resume.with_expert_states(state, self.expert_reducers, self.rank)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` into a reducer over the same model, on every rank,
@@ -306,6 +308,7 @@ class Reducer(DDPCompat, Joinable):
             raise RuntimeError("load_state_dict must be called before the first backward pass "
                                "(on every rank), right after entering fused_bucketing and "
                                "registering the comm hook")
+        expert_states = resume.expert_states(state, len(self.expert_reducers), self.rank)
         layout, progress = resume.read_state_dict(
             state, self._names, self._params, self._comm.hook, self._comm.hook_state,
             self.rank, self.world_size)
@@ -322,6 +325,8 @@ class Reducer(DDPCompat, Joinable):
         bw.stats.buckets = len(bw.layout.buckets)
         bw.allocated = False  # buckets follow the restored layout at the next backward
         bw.agree_pending = True
+        for r, saved in zip(self.expert_reducers, expert_states):
+            r.load_state_dict(saved)
 
     def close(self) -> None:
         """Detach from the model: remove every hook, finish the communication in flight.
@@ -370,6 +375,7 @@ class Reducer(DDPCompat, Joinable):
         ``divide_by_initial_world_size`` (default ``True``, as DDP): divide gradients by the
         initial world size; ``False`` divides by the number of ranks still training.
         """
+        refuse_join_with_experts(self.module)
         if self.config.shard_optimizer:
             raise ValueError("Join (uneven inputs) is not supported with shard_optimizer=True: "
                              "a rank out of inputs would also have to shadow the sharded "
