@@ -21,7 +21,10 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import tribucket
-from tribucket.moe import MoELayer, aux_losses, expert_data_parallel_groups
+from torch.distributed.device_mesh import init_device_mesh
+
+from tribucket.moe import (MoELayer, aux_losses, expert_data_parallel_groups,
+                           expert_data_parallel_groups_from_mesh)
 from test_moe import D, _dense_moe, _ffn
 
 K = 2  # top-k of the training tests
@@ -76,14 +79,16 @@ def _models(ep_size: int, L: int, seed: int, ep, replicas):
     router = nn.Linear(D, E, bias=False)
     experts = [_ffn(seed * 100 + e) for e in range(E)]
     ref = _Net(_DenseMoE(copy.deepcopy(router), copy.deepcopy(experts)), seed)
-    first = (rank % ep_size) * L
+    first = dist.get_rank(ep) * L
+    expert_src = dist.get_process_group_ranks(replicas)[0] if replicas is not None else rank
     local = [copy.deepcopy(experts[e]) for e in range(first, first + L)]
     layer = MoELayer(local, E, D, top_k=K, router=copy.deepcopy(router), group=ep,
                      replica_group=replicas, aux_loss_coef=AUX, z_loss_coef=Z)
     model = _Net(layer, seed)
     with torch.no_grad():  # off-by-a-bit copies on other ranks: entering must broadcast
         for p in model.parameters():
-            if rank >= ep_size or (rank > 0 and not getattr(p, "_tribucket_expert_parallel", 0)):
+            expert = getattr(p, "_tribucket_expert_parallel", False)
+            if (expert and rank != expert_src) or (not expert and rank > 0):
                 p.add_(0.01 * (rank + 1))
     return model, ref, first
 
@@ -124,7 +129,12 @@ def _train_worker(case):
     ep_size, L, seed, steps, max_norm = (case["ep_size"], case["L"], case["seed"],
                                          case["steps"], case["max_norm"])
     micros = case.get("accumulate", 1)  # micro-batches per step, all but the last in no_sync
-    ep, replicas = expert_data_parallel_groups(ep_size)
+    if case.get("mesh"):  # the groups from a DeviceMesh whose EP groups are not consecutive
+        mesh = init_device_mesh("cpu", (ep_size, dist.get_world_size() // ep_size),
+                                mesh_dim_names=("ep", "dp"))
+        ep, replicas = expert_data_parallel_groups_from_mesh(mesh)
+    else:
+        ep, replicas = expert_data_parallel_groups(ep_size)
     model, ref, first = _models(ep_size, L, seed, ep, replicas)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     norms = []
@@ -180,6 +190,9 @@ CASES = {
     # the experts' buckets go through torch's allreduce_hook on the replica group
     "ep2xdp2_accumulate_hook": dict(ep_size=2, L=1, seed=5, steps=2, max_norm=None,
                                     accumulate=2, expert_hook=True),
+    # the groups from init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp")): EP groups
+    # {0, 2} and {1, 3}, replica groups {0, 1} and {2, 3}
+    "ep2xdp2_mesh": dict(ep_size=2, L=2, seed=6, steps=2, max_norm=0.15, mesh=True),
 }
 
 
@@ -309,6 +322,38 @@ def test_progress_marks_of_replica_groups_do_not_collide(dist_run):
     results = dist_run(_progress_marks_on_replica_groups, world_size=4, timeout=60)
     assert "rank 3 (never started a backward)" in results[1], results[1]
     assert "Every rank reached this point" in results[0], results[0]
+
+
+def _mesh_groups_worker():
+    ranks = dist.get_process_group_ranks
+    out = {}
+    for names in (("dp", "ep"), ("ep", "dp")):
+        ep, replicas = expert_data_parallel_groups_from_mesh(
+            init_device_mesh("cpu", (2, 2), mesh_dim_names=names))
+        out[names] = (ranks(ep), ranks(replicas))
+    ep, replicas = expert_data_parallel_groups_from_mesh(
+        init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "ep")))
+    out["dp1"] = (ranks(ep), replicas)
+    for name, make in (("1-D", lambda: init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))),
+                       ("names", lambda: init_device_mesh("cpu", (2, 2),
+                                                          mesh_dim_names=("data", "expert")))):
+        try:
+            expert_data_parallel_groups_from_mesh(make())
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+@pytest.mark.dist
+def test_groups_from_device_mesh(dist_run):
+    for rank, out in enumerate(dist_run(_mesh_groups_worker, world_size=4)):
+        # (dp, ep): the same groups as expert_data_parallel_groups(ep_size=2)
+        assert out[("dp", "ep")] == ([rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2])
+        assert out[("ep", "dp")] == ([rank % 2, rank % 2 + 2], [rank // 2 * 2, rank // 2 * 2 + 1])
+        assert out["dp1"] == ([0, 1, 2, 3], None), out["dp1"]
+        for name in ("1-D", "names"):
+            assert out[name] is not None and "mesh_dim_names=('dp', 'ep')" in out[name], out[name]
 
 
 def _ep_size_differs():
