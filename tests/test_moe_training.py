@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tribucket.moe import (MoELayer, aux_losses, expert_data_parallel_groups,
                            expert_data_parallel_groups_from_mesh)
-from test_moe import D, _dense_moe, _ffn
+from test_moe import D, _dense_moe, _error_of, _ffn
 
 K = 2  # top-k of the training tests
 AUX, Z = 0.1, 0.01  # aux and z loss coefficients (both reach the router's gradient)
@@ -337,11 +337,7 @@ def _mesh_groups_worker():
     for name, make in (("1-D", lambda: init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))),
                        ("names", lambda: init_device_mesh("cpu", (2, 2),
                                                           mesh_dim_names=("data", "expert")))):
-        try:
-            expert_data_parallel_groups_from_mesh(make())
-            out[name] = None
-        except ValueError as e:
-            out[name] = str(e)
+        out[name] = _error_of(lambda make=make: expert_data_parallel_groups_from_mesh(make()))
     return out
 
 
@@ -353,7 +349,8 @@ def test_groups_from_device_mesh(dist_run):
         assert out[("ep", "dp")] == ([rank % 2, rank % 2 + 2], [rank // 2 * 2, rank // 2 * 2 + 1])
         assert out["dp1"] == ([0, 1, 2, 3], None), out["dp1"]
         for name in ("1-D", "names"):
-            assert out[name] is not None and "mesh_dim_names=('dp', 'ep')" in out[name], out[name]
+            assert out[name][0] == "ValueError", out[name]
+            assert "mesh_dim_names=('dp', 'ep')" in out[name][1], out[name]
 
 
 def _ep_size_differs():
@@ -466,16 +463,8 @@ def _checkpoint_mismatch_worker():
         other[f"expert_reducers.rank{(dist.get_rank() + 1) % 4}"] = other.pop(mine)
         bare = {k: v for k, v in state.items() if k != mine}
         for name, bad in (("other rank", other), ("none", bare)):
-            try:
-                reducer.load_state_dict(bad)
-                out[name] = None
-            except ValueError as e:
-                out[name] = str(e)
-        try:
-            reducer.join()
-            out["join"] = None
-        except ValueError as e:
-            out["join"] = str(e)
+            out[name] = _error_of(lambda bad=bad: reducer.load_state_dict(bad))
+        out["join"] = _error_of(reducer.join)
     return out
 
 
@@ -484,7 +473,8 @@ def test_expert_reducer_state_mismatch_and_join_raise_clear_errors(dist_run):
     # Join on an expert-parallel model used to leave the ranks still training blocked in the
     # MoE layers' all-to-alls; now entering it raises on every rank, before any collective
     for rank, out in enumerate(dist_run(_checkpoint_mismatch_worker, world_size=4, timeout=120)):
-        assert out["other rank"] is not None and f"not of rank {rank}" in out["other rank"], out
-        assert out["none"] is not None and "holds no expert reducer state" in out["none"], out
-        assert out["join"] is not None and "Join (uneven inputs) is not supported" in out["join"]
-        assert "same number of batches" in out["join"], out["join"]
+        assert out["other rank"][0] == "ValueError" and f"not of rank {rank}" in out["other rank"][1]
+        assert out["none"][0] == "ValueError" and "holds no expert reducer state" in out["none"][1]
+        assert out["join"][0] == "ValueError", out["join"]
+        assert "Join (uneven inputs) is not supported" in out["join"][1], out["join"]
+        assert "same number of batches" in out["join"][1], out["join"]
