@@ -342,9 +342,10 @@ class MoEDispatcher:
         Every block sent to a peer ends with one flag row (column 0: 1.0 when this rank could
         not produce its expert output, ``outs`` None; the rows are then zeros), so the block
         from rank ``w`` arrives as its ``send_splits[w]`` rows and a flag row: ``back_BD``
-        has ``B = N + W`` rows. No collective of its own, and the rows to send are gathered
-        in the one copy the regroup makes anyway. Raises a RuntimeError naming the ranks
-        whose flag is set (after the exchange: no rank is left waiting in it).
+        has ``B = N + W`` rows. No collective of its own; the flag rows join the rows to send
+        in the copy the regroup makes anyway (with one local expert, it is a copy more).
+        Raises a RuntimeError naming the ranks whose flag is set (after the exchange: no rank
+        is left waiting in it).
         """
         W, L, D = self.world_size, self.num_local_experts, meta.d_model
         device, dtype = meta.dest_TK.device, meta.row_dtype
