@@ -401,15 +401,16 @@ class _Permute(torch.autograd.Function):
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows_ND, dest_TK, weights_TK, backend, slot_N):
+    def forward(ctx, rows_ND, dest_TK, weights_TK, backend, slot_N, dead_rows):
         by_rows = slot_N is not None and not _use_triton(backend, rows_ND)
         ctx.save_for_backward(rows_ND, slot_N if by_rows else dest_TK, weights_TK)
         ctx.backend, ctx.by_rows, ctx.shape_TK = backend, by_rows, tuple(dest_TK.shape)
+        ctx.dead_rows = dead_rows
         if by_rows:
             _check_rows("rows_ND", rows_ND)
             _check_weights(weights_TK, dest_TK)
             return moe_unpermute_rows(rows_ND, slot_N, dest_TK.shape[1], dest_TK.shape[0],
-                                      weights_TK)
+                                      weights_TK, dead_rows=dead_rows)
         return moe_unpermute(rows_ND, dest_TK, weights_TK, backend=backend)
 
     @staticmethod
@@ -417,13 +418,13 @@ class _Unpermute(torch.autograd.Function):
         rows_ND, index, weights_TK = ctx.saved_tensors
         if ctx.by_rows:
             grad_rows_ND, grad_w_TK = moe_unpermute_backward_rows(
-                grad_y_TD, rows_ND, index, ctx.shape_TK[1], weights_TK)
+                grad_y_TD, rows_ND, index, ctx.shape_TK[1], weights_TK, dead_rows=ctx.dead_rows)
         else:
             grad_rows_ND, grad_w_TK = moe_unpermute_backward(
                 grad_y_TD, rows_ND, index, weights_TK, backend=ctx.backend)
         if not ctx.needs_input_grad[2]:
             grad_w_TK = None
-        return grad_rows_ND, None, grad_w_TK, None, None
+        return grad_rows_ND, None, grad_w_TK, None, None, None
 
 
 def permute_tokens(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, *,
@@ -440,9 +441,14 @@ def permute_tokens(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, *,
 
 def unpermute_tokens(rows_ND: torch.Tensor, dest_TK: torch.Tensor,
                      weights_TK: torch.Tensor | None = None, *, backend: str = "auto",
-                     slot_N: torch.Tensor | None = None) -> torch.Tensor:
+                     slot_N: torch.Tensor | None = None, dead_rows: bool = False) -> torch.Tensor:
     """Differentiable :func:`moe_unpermute`; gradients flow to ``rows_ND`` and ``weights_TK``.
 
     ``slot_N``: as in :func:`permute_tokens` (``rows_ND.shape[0]`` entries).
+
+    ``dead_rows=True``: some rows of ``rows_ND`` belong to no token-slot (rows that carried
+    something else over the wire): ``dest_TK`` never points at them, and in ``slot_N`` they
+    hold ``T * K``. They add nothing to ``y`` and get a zero gradient (given a finite
+    ``grad_y``) on the PyTorch path; on the Triton path their gradient is left unwritten.
     """
-    return _Unpermute.apply(rows_ND, dest_TK, weights_TK, backend, slot_N)
+    return _Unpermute.apply(rows_ND, dest_TK, weights_TK, backend, slot_N, dead_rows)

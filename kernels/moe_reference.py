@@ -127,37 +127,61 @@ def moe_permute_rows(x_TD: torch.Tensor, slot_N: torch.Tensor, K: int) -> torch.
 
 
 def moe_unpermute_rows(rows_ND: torch.Tensor, slot_N: torch.Tensor, K: int, num_tokens: int,
-                       weights_TK: torch.Tensor | None = None) -> torch.Tensor:
+                       weights_TK: torch.Tensor | None = None, *,
+                       dead_rows: bool = False) -> torch.Tensor:
     """:func:`moe_unpermute_reference` given ``slot_N``: ``y[slot_N[n] // K] += w_N[n] · rows[n]``.
 
     fp32 accumulation (one ``index_add_`` over the N rows); returns ``rows_ND.dtype``.
     Example: K = 2, slot_N ``[0, 2, 1]`` (rows of slots 0, 2, 1), w ``[[.7, .3], [1., 0.]]``
     -> ``y = [.7·r0 + .3·r2, 1·r1]``.
+
+    ``dead_rows=True``: ``slot_N`` may hold ``S = num_tokens · K`` (one past the last slot)
+    for rows that belong to no token (the dispatcher's flag rows); they add nothing to ``y``.
     """
     token_N = torch.div(slot_N, K, rounding_mode="floor")
     src_ND = rows_ND if rows_ND.dtype == torch.float32 else rows_ND.float()
     if weights_TK is not None:
-        src_ND = src_ND * weights_TK.reshape(-1).float().index_select(0, slot_N).unsqueeze(1)
-    y_TD = src_ND.new_zeros((num_tokens, rows_ND.shape[1])).index_add_(0, token_N, src_ND)
+        src_ND = src_ND * _slot_weights(weights_TK, dead_rows).index_select(0, slot_N).unsqueeze(1)
+    # a dead row's token is num_tokens: one spare row of y takes it, and is cut off
+    y_TD = src_ND.new_zeros((num_tokens + int(dead_rows), rows_ND.shape[1]))
+    y_TD = y_TD.index_add_(0, token_N, src_ND)[:num_tokens]
     return y_TD.to(rows_ND.dtype)
+
+
+def _slot_weights(weights_TK: torch.Tensor, dead_rows: bool) -> torch.Tensor:
+    """fp32 ``[S]`` gate weights by slot, with a 0 appended (slot ``S``) for dead rows."""
+    w_S = weights_TK.reshape(-1).float()
+    return torch.cat([w_S, w_S.new_zeros(1)]) if dead_rows else w_S
 
 
 def moe_unpermute_backward_rows(
     grad_y_TD: torch.Tensor, rows_ND: torch.Tensor, slot_N: torch.Tensor, K: int,
-    weights_TK: torch.Tensor | None,
+    weights_TK: torch.Tensor | None, *, dead_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`moe_unpermute_backward_reference` given ``slot_N``.
 
     One gather of ``grad_y`` by row, then ``grad_rows = w_N · g_ND`` and the gate gradients
-    ``<g_ND[n], rows[n]>`` from that same gather (0 for dropped slots).
+    ``<g_ND[n], rows[n]>`` from that same gather (0 for dropped slots). ``dead_rows`` as in
+    :func:`moe_unpermute_rows`: those rows get a zero gradient (given a finite ``grad_y``)
+    and no gate gradient.
     """
-    g_ND = grad_y_TD.index_select(0, torch.div(slot_N, K, rounding_mode="floor"))
+    T = grad_y_TD.shape[0]
+    token_N = torch.div(slot_N, K, rounding_mode="floor")
+    if dead_rows:
+        if T == 0:  # every row is dead: nothing flows back
+            grad_w = None if weights_TK is None else weights_TK.new_zeros(weights_TK.shape)
+            return rows_ND.new_zeros(rows_ND.shape), grad_w
+        token_N = token_N.clamp_(max=T - 1)  # any real row: its weight below is 0
+    g_ND = grad_y_TD.index_select(0, token_N)
     if weights_TK is None:
+        if dead_rows:
+            g_ND.masked_fill_((slot_N == T * K).unsqueeze(1), 0)
         return g_ND.to(rows_ND.dtype), None
     g_ND = g_ND.float()
     dots_N = torch.linalg.vecdot(g_ND, rows_ND.float())
-    grad_w_S = torch.zeros(weights_TK.numel(), dtype=torch.float32, device=slot_N.device)
+    S = weights_TK.numel()
+    grad_w_S = torch.zeros(S + int(dead_rows), dtype=torch.float32, device=slot_N.device)
     grad_w_S.index_copy_(0, slot_N, dots_N)
-    w_N = weights_TK.reshape(-1).float().index_select(0, slot_N)
+    w_N = _slot_weights(weights_TK, dead_rows).index_select(0, slot_N)
     grad_rows_ND = g_ND.mul_(w_N.unsqueeze(1)).to(rows_ND.dtype)
-    return grad_rows_ND, grad_w_S.view(weights_TK.shape).to(weights_TK.dtype)
+    return grad_rows_ND, grad_w_S[:S].view(weights_TK.shape).to(weights_TK.dtype)

@@ -335,8 +335,11 @@ def external_table(result) -> str:
         for name, why in run["skipped"].items():
             lines.append(f"| {run['size'].split(' (')[0]} | {cap} | {name} | skipped: {why} "
                          f"| | | | | | | | |")
-    lines += ["", "Sizes: " + "; ".join(f"{k.split(' (')[0]} = {k.split(' (')[1][:-1]}"
-                                       for k in SIZES) + "."]
+    steps = {run["size"]: (run["steps"], run["warmup"]) for run in result["runs"]}
+    lines += ["", "Sizes: " + "; ".join(
+        f"{k.split(' (')[0]} = {k.split(' (')[1][:-1]}"
+        + (f" ({steps[k][0]} measured steps after {steps[k][1]} warm-up)" if k in steps else "")
+        for k in SIZES) + "."]
     lines += ["", "Checked before timing, against tribucket's layer:"]
     for run in result["runs"]:
         cap = "dropless" if run["capacity_factor"] is None else f"factor {run['capacity_factor']}"

@@ -507,7 +507,7 @@ def main(argv=None) -> dict:
     p.add_argument("--part", choices=("all", "baseline", "schedule", "external"), default="all",
                    help="baseline: MoELayer vs naive (moe.*); schedule: issue 7's comparison; "
                         "external: vs DeepSpeed and torchtitan (moe_external.*)")
-    p.add_argument("--ext-steps", type=int, nargs=2, default=(15, 5), metavar=("DEMO", "WIDE"),
+    p.add_argument("--ext-steps", type=int, nargs=2, default=(15, 9), metavar=("DEMO", "WIDE"),
                    help="external: measured steps at the demo size and the wide size")
     p.add_argument("--ext-warmup", type=int, default=2)
     p.add_argument("--worlds", default="2,4", help="world sizes of the schedule comparison")

@@ -391,6 +391,25 @@ def _in_step(layer) -> bool:
     return x.grad is not None
 
 
+def _collectives_of_a_step_worker():
+    W = dist.get_world_size()
+    torch.manual_seed(0)
+    layer = MoELayer([nn.Linear(D, D), nn.Linear(D, D)], 2 * W, D, top_k=2)
+    x = torch.randn(10, D, requires_grad=True)
+    with _CountCollectives() as c:
+        layer(x).sum().backward()
+    return c.calls
+
+
+@pytest.mark.dist
+def test_a_layer_step_issues_five_all_to_alls_and_nothing_else(dist_run):
+    # forward: counts, tokens out, tokens back (each rank's expert-output flag rides on the
+    # last one, in a row of its own); backward: the two reverse exchanges. Before, the flag
+    # took an all-reduce of its own (6 collectives).
+    for calls in dist_run(_collectives_of_a_step_worker, world_size=2):
+        assert calls == ["all_to_all_single"] * 5, calls
+
+
 @pytest.mark.dist
 def test_bad_input_errors_before_collectives(dist_run):
     results = dist_run(_bad_input_worker, world_size=2)

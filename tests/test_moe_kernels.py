@@ -215,6 +215,38 @@ def test_row_path_matches_reference(T, K, D, dtype, drop, weighted):
         assert grad_w is None and grad_w_ref is None
 
 
+@pytest.mark.parametrize("T,K,D", [(0, 2, 8), (1, 1, 1), (7, 2, 5), (19, 3, 130)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_row_path_with_dead_rows(T, K, D, weighted):
+    """Rows that belong to no token (slot ``T * K``: the dispatcher's flag rows, one after
+    each rank's block) add nothing to y, get a zero gradient and give no gate gradient: the
+    results equal the row path without them."""
+    g = torch.Generator().manual_seed(T + 17 * D)
+    dest, N = _routing(T, K, 0.3, seed=T + 5)
+    slot_N = _slots(dest, N)
+    rows = torch.randn(N, D, generator=g)
+    w = torch.rand(T, K, generator=g) if weighted else None
+    grad_y = torch.randn(T, D, generator=g)
+    cut = [N // 3, N - N // 3]  # two "ranks": a flag row after each block, garbage in it
+    where = [cut[0], N + 1]
+    slot_B = torch.cat([slot_N[:cut[0]], torch.tensor([T * K]), slot_N[cut[0]:],
+                        torch.tensor([T * K])])
+    rows_B = torch.cat([rows[:cut[0]], torch.full((1, D), 7.0), rows[cut[0]:],
+                        torch.full((1, D), -3.0)])
+    y = moe_unpermute_rows(rows_B, slot_B, K, T, w, dead_rows=True)
+    _assert_equal("y", y, moe_unpermute_rows(rows, slot_N, K, T, w))
+    grad_rows_B, grad_w = moe_unpermute_backward_rows(grad_y, rows_B, slot_B, K, w, dead_rows=True)
+    grad_rows, grad_w_ref = moe_unpermute_backward_rows(grad_y, rows, slot_N, K, w)
+    keep = torch.ones(N + 2, dtype=torch.bool)
+    keep[where] = False
+    _assert_equal("grad of the token rows", grad_rows_B[keep], grad_rows)
+    _assert_equal("grad of the dead rows", grad_rows_B[~keep], torch.zeros(2, D))
+    if weighted:
+        _assert_equal("gate grad", grad_w, grad_w_ref)
+    else:
+        assert grad_w is None
+
+
 @pytest.mark.parametrize("backend", [
     "reference", "rows",
     pytest.param("triton", marks=[_skip_without_triton, pytest.mark.interpreter])])

@@ -21,8 +21,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import tribucket
-from tribucket.moe import MoELayer, aux_losses, expert_data_parallel_groups
-from test_moe import D, _dense_moe, _ffn
+from torch.distributed.device_mesh import init_device_mesh
+
+from tribucket.moe import (MoELayer, aux_losses, expert_data_parallel_groups,
+                           expert_data_parallel_groups_from_mesh)
+from test_moe import D, _dense_moe, _error_of, _ffn
 
 K = 2  # top-k of the training tests
 AUX, Z = 0.1, 0.01  # aux and z loss coefficients (both reach the router's gradient)
@@ -66,28 +69,73 @@ def _data(seed: int, rank: int, step: int, micro: int = 0):
     return torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
 
 
-def _train_worker(case):
-    """Train the distributed model and the dense reference; return what the test compares."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ep_size, L, seed, steps, max_norm = (case["ep_size"], case["L"], case["seed"],
-                                         case["steps"], case["max_norm"])
-    micros = case.get("accumulate", 1)  # micro-batches per step, all but the last in no_sync
+def _models(ep_size: int, L: int, seed: int, ep, replicas):
+    """``(model, ref, first)``: this rank's distributed model (its experts from global index
+    ``first``, every rank's copies a bit off so entering must broadcast) and the dense
+    reference with every expert."""
+    rank = dist.get_rank()
     E = ep_size * L
-    ep, replicas = expert_data_parallel_groups(ep_size)
     torch.manual_seed(seed)
     router = nn.Linear(D, E, bias=False)
     experts = [_ffn(seed * 100 + e) for e in range(E)]
     ref = _Net(_DenseMoE(copy.deepcopy(router), copy.deepcopy(experts)), seed)
-
-    first = (rank % ep_size) * L
+    first = dist.get_rank(ep) * L
+    expert_src = dist.get_process_group_ranks(replicas)[0] if replicas is not None else rank
     local = [copy.deepcopy(experts[e]) for e in range(first, first + L)]
     layer = MoELayer(local, E, D, top_k=K, router=copy.deepcopy(router), group=ep,
                      replica_group=replicas, aux_loss_coef=AUX, z_loss_coef=Z)
     model = _Net(layer, seed)
     with torch.no_grad():  # off-by-a-bit copies on other ranks: entering must broadcast
         for p in model.parameters():
-            if rank >= ep_size or (rank > 0 and not getattr(p, "_tribucket_expert_parallel", 0)):
+            expert = getattr(p, "_tribucket_expert_parallel", False)
+            if (expert and rank != expert_src) or (not expert and rank > 0):
                 p.add_(0.01 * (rank + 1))
+    return model, ref, first
+
+
+def _train_reference(ref, seed: int, steps, micros: int = 1, max_norm=None) -> list:
+    """Train the dense reference on every rank's data (the mean of their losses); the
+    gradient norms before clipping."""
+    world = dist.get_world_size()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    ref_norms = []
+    for step in steps:
+        for micro in range(micros):
+            total = 0.0
+            for r in range(world):
+                x, t = _data(seed, r, step, micro)
+                total = total + nn.functional.mse_loss(ref(x), t) + ref.moe.aux
+            (total / world).backward()
+        if max_norm is not None:
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return ref_norms
+
+
+def _wanted(ref, first: int, L: int) -> dict:
+    """The reference's parameters under the distributed model's names (this rank's experts)."""
+    want = {"inp.weight": ref.inp.weight, "inp.bias": ref.inp.bias, "head.weight": ref.head.weight,
+            "head.bias": ref.head.bias, "moe.router.weight": ref.moe.router.weight}
+    for e in range(first, first + L):
+        for n, p in ref.moe.experts[e].named_parameters():
+            want[f"moe.experts.{e}.{n}"] = p
+    return {n: p.detach().clone() for n, p in want.items()}
+
+
+def _train_worker(case):
+    """Train the distributed model and the dense reference; return what the test compares."""
+    rank = dist.get_rank()
+    ep_size, L, seed, steps, max_norm = (case["ep_size"], case["L"], case["seed"],
+                                         case["steps"], case["max_norm"])
+    micros = case.get("accumulate", 1)  # micro-batches per step, all but the last in no_sync
+    if case.get("mesh"):  # the groups from a DeviceMesh whose EP groups are not consecutive
+        mesh = init_device_mesh("cpu", (ep_size, dist.get_world_size() // ep_size),
+                                mesh_dim_names=("ep", "dp"))
+        ep, replicas = expert_data_parallel_groups_from_mesh(mesh)
+    else:
+        ep, replicas = expert_data_parallel_groups(ep_size)
+    model, ref, first = _models(ep_size, L, seed, ep, replicas)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     norms = []
     with tribucket.fused_bucketing(model) as reducer:
@@ -104,30 +152,11 @@ def _train_worker(case):
             opt.step()
             opt.zero_grad()
     synced = [r.stats.iterations for r in [reducer, *reducer.expert_reducers]]
-
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
-    ref_norms = []
-    for step in range(steps):
-        for micro in range(micros):
-            total = 0.0
-            for r in range(world):
-                x, t = _data(seed, r, step, micro)
-                total = total + nn.functional.mse_loss(ref(x), t) + ref.moe.aux
-            (total / world).backward()
-        if max_norm is not None:
-            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm))
-        ref_opt.step()
-        ref_opt.zero_grad()
-
-    want = {"inp.weight": ref.inp.weight, "inp.bias": ref.inp.bias, "head.weight": ref.head.weight,
-            "head.bias": ref.head.bias, "moe.router.weight": ref.moe.router.weight}
-    for e in range(first, first + L):
-        for n, p in ref.moe.experts[e].named_parameters():
-            want[f"moe.experts.{e}.{n}"] = p
+    ref_norms = _train_reference(ref, seed, range(steps), micros, max_norm)
+    want = _wanted(ref, first, L)
     got = dict(model.named_parameters())
     assert sorted(got) == sorted(want), (sorted(got), sorted(want))
-    return {"got": {n: p.detach().clone() for n, p in got.items()},
-            "want": {n: p.detach().clone() for n, p in want.items()},
+    return {"got": {n: p.detach().clone() for n, p in got.items()}, "want": want,
             "norms": norms, "ref_norms": ref_norms, "expert_reducers": n_expert_reducers,
             "synced": synced}
 
@@ -161,6 +190,9 @@ CASES = {
     # the experts' buckets go through torch's allreduce_hook on the replica group
     "ep2xdp2_accumulate_hook": dict(ep_size=2, L=1, seed=5, steps=2, max_norm=None,
                                     accumulate=2, expert_hook=True),
+    # the groups from init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp")): EP groups
+    # {0, 2} and {1, 3}, replica groups {0, 1} and {2, 3}
+    "ep2xdp2_mesh": dict(ep_size=2, L=2, seed=6, steps=2, max_norm=0.15, mesh=True),
 }
 
 
@@ -292,6 +324,35 @@ def test_progress_marks_of_replica_groups_do_not_collide(dist_run):
     assert "Every rank reached this point" in results[0], results[0]
 
 
+def _mesh_groups_worker():
+    ranks = dist.get_process_group_ranks
+    out = {}
+    for names in (("dp", "ep"), ("ep", "dp")):
+        ep, replicas = expert_data_parallel_groups_from_mesh(
+            init_device_mesh("cpu", (2, 2), mesh_dim_names=names))
+        out[names] = (ranks(ep), ranks(replicas))
+    ep, replicas = expert_data_parallel_groups_from_mesh(
+        init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "ep")))
+    out["dp1"] = (ranks(ep), replicas)
+    for name, make in (("1-D", lambda: init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))),
+                       ("names", lambda: init_device_mesh("cpu", (2, 2),
+                                                          mesh_dim_names=("data", "expert")))):
+        out[name] = _error_of(lambda make=make: expert_data_parallel_groups_from_mesh(make()))
+    return out
+
+
+@pytest.mark.dist
+def test_groups_from_device_mesh(dist_run):
+    for rank, out in enumerate(dist_run(_mesh_groups_worker, world_size=4)):
+        # (dp, ep): the same groups as expert_data_parallel_groups(ep_size=2)
+        assert out[("dp", "ep")] == ([rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2])
+        assert out[("ep", "dp")] == ([rank % 2, rank % 2 + 2], [rank // 2 * 2, rank // 2 * 2 + 1])
+        assert out["dp1"] == ([0, 1, 2, 3], None), out["dp1"]
+        for name in ("1-D", "names"):
+            assert out[name][0] == "ValueError", out[name]
+            assert "mesh_dim_names=('dp', 'ep')" in out[name][1], out[name]
+
+
 def _ep_size_differs():
     try:
         expert_data_parallel_groups(1 if dist.get_rank() == 0 else 2)
@@ -304,3 +365,116 @@ def _ep_size_differs():
 def test_ep_size_must_agree_across_ranks(dist_run):
     for message in dist_run(_ep_size_differs, world_size=2, timeout=30, teardown=True):
         assert message is not None and "ep_size: 1 on rank 0, 2 on rank 1" in message, message
+
+
+# ---------------------------------------------------------------------------------------
+# resume and Join with expert reducers
+# ---------------------------------------------------------------------------------------
+def _powersgd(replicas):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    return psgd.PowerSGDState(process_group=replicas, matrix_approximation_rank=1,
+                              start_powerSGD_iter=2, random_seed=0), psgd.powerSGD_hook
+
+
+def _resume_worker(case):
+    """2 EP x 2 DP: train ``steps`` in one go, and again with a checkpoint (model, optimizer,
+    reducer state) after ``cut`` steps loaded into a fresh model, reducer and hook state."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    rank = dist.get_rank()
+    seed, L, steps, cut = case["seed"], case["L"], case["steps"], case["cut"]
+    ep, replicas = expert_data_parallel_groups(2)
+
+    def train(model, opt, span, load=None):
+        with tribucket.fused_bucketing(model) as reducer:
+            if case["powersgd"]:  # error feedback and warm start: state a resume must restore
+                reducer.expert_reducers[0].register_comm_hook(*_powersgd(replicas))
+            if load is not None and case["dcp"]:  # into the fresh reducer's own state_dict()
+                target = {"reducer": reducer.state_dict()}
+                dcp.load(target, checkpoint_id=load)
+                reducer.load_state_dict(target["reducer"])
+            elif load is not None:
+                reducer.load_state_dict(torch.load(io.BytesIO(load), weights_only=False))
+            for step in span:
+                x, t = _data(seed, rank, step)
+                (nn.functional.mse_loss(model(x), t) + aux_losses(model)).backward()
+                opt.step()
+                opt.zero_grad()
+            if case["dcp"]:
+                dcp.save({"reducer": reducer.state_dict()}, checkpoint_id=f"{case['path']}.{span[-1]}")
+                return reducer, f"{case['path']}.{span[-1]}"
+            buf = io.BytesIO()
+            torch.save(reducer.state_dict(), buf)
+        return reducer, buf.getvalue()
+
+    model, ref, first = _models(2, L, seed, ep, replicas)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    train(model, opt, range(steps))
+    whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    model, _, _ = _models(2, L, seed, ep, replicas)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    _, saved = train(model, opt, range(cut))
+    states = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    model, _, _ = _models(2, L, seed, ep, replicas)  # a fresh run, from the checkpoint
+    model.load_state_dict(states[0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    opt.load_state_dict(states[1])
+    reducer, _ = train(model, opt, range(cut, steps), load=saved)
+    out = {"whole": whole, "resumed": {n: p.detach().clone() for n, p in model.named_parameters()},
+           "iterations": [r.stats.iterations for r in [reducer, *reducer.expert_reducers]],
+           "rebuilt": [r._bw.rebuilt for r in reducer.expert_reducers]}
+    if not case["powersgd"]:  # (PowerSGD is lossy: no dense reference)
+        _train_reference(ref, seed, range(steps))
+        out["want"] = _wanted(ref, first, L)
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("powersgd,via", [(False, "torch.save"), (True, "dcp")])
+def test_resume_restores_the_expert_reducers(dist_run, tmp_path, powersgd, via):
+    # before: reducer.state_dict() held the dense reducer's state only, so a resumed run's
+    # expert reducer started over (iteration 0, layout not rebuilt, PowerSGD's error feedback
+    # and warm start lost) and drifted from the run it continues
+    case = dict(seed=8, L=2, steps=5, cut=3, powersgd=powersgd, dcp=via == "dcp",
+                path=str(tmp_path / "reducer"))
+    for rank, out in enumerate(dist_run(_resume_worker, case, world_size=4, timeout=240)):
+        assert out["iterations"] == [case["steps"], case["steps"]], (rank, out["iterations"])
+        assert out["rebuilt"] == [True], (rank, out["rebuilt"])
+        for n, p in out["resumed"].items():
+            assert torch.equal(p, out["whole"][n]), f"rank {rank} {n}: resumed != uninterrupted"
+            if "want" in out:
+                torch.testing.assert_close(p, out["want"][n], atol=2e-5, rtol=1e-4,
+                                           msg=lambda m: f"rank {rank} {n}: {m}")
+
+
+def _checkpoint_mismatch_worker():
+    """A state without expert reducers, and another rank's, loaded into an EP x DP reducer."""
+    ep, replicas = expert_data_parallel_groups(2)
+    model, _, _ = _models(2, 1, 9, ep, replicas)
+    out = {}
+    with tribucket.fused_bucketing(model) as reducer:
+        state = reducer.state_dict()
+        mine = f"expert_reducers.rank{dist.get_rank()}"
+        other = dict(state)
+        other[f"expert_reducers.rank{(dist.get_rank() + 1) % 4}"] = other.pop(mine)
+        bare = {k: v for k, v in state.items() if k != mine}
+        for name, bad in (("other rank", other), ("none", bare)):
+            out[name] = _error_of(lambda bad=bad: reducer.load_state_dict(bad))
+        out["join"] = _error_of(reducer.join)
+    return out
+
+
+@pytest.mark.dist
+def test_expert_reducer_state_mismatch_and_join_raise_clear_errors(dist_run):
+    # Join on an expert-parallel model used to leave the ranks still training blocked in the
+    # MoE layers' all-to-alls; now entering it raises on every rank, before any collective
+    for rank, out in enumerate(dist_run(_checkpoint_mismatch_worker, world_size=4, timeout=120)):
+        assert out["other rank"][0] == "ValueError" and f"not of rank {rank}" in out["other rank"][1]
+        assert out["none"][0] == "ValueError" and "holds no expert reducer state" in out["none"][1]
+        assert out["join"][0] == "ValueError", out["join"]
+        assert "Join (uneven inputs) is not supported" in out["join"][1], out["join"]
+        assert "same number of batches" in out["join"][1], out["join"]

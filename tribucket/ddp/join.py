@@ -15,7 +15,28 @@ from torch.distributed.algorithms.join import JoinHook
 
 from .watchdog import CommGuard
 
-__all__ = ["JoinFlags", "ReducerJoinHook"]
+__all__ = ["JoinFlags", "ReducerJoinHook", "refuse_join_with_experts"]
+
+
+def refuse_join_with_experts(module) -> None:
+    """Raise ``ValueError`` (before any collective) when ``module`` has expert-parallel
+    parameters whose layers communicate, or that have replicas: ``Join`` cannot shadow those."""
+    from .._tags import expert_group, expert_replica_group, is_expert_parallel
+
+    experts = [(n, p) for n, p in module.named_parameters() if is_expert_parallel(p)]
+    exchanging = [n for n, p in experts if dist.get_world_size(expert_group(p)) > 1]
+    replicated = [n for n, p in experts if expert_replica_group(p) is not None]
+    if not exchanging and not replicated:
+        return
+    why = (f"its MoE layers exchange tokens among the ranks of their expert-parallel group "
+           f"(e.g. for {exchanging[0]!r}), so a rank out of inputs would still have to run "
+           "them for the other ranks' tokens" if exchanging else
+           f"expert replicas (e.g. {replicated[0]!r}) are averaged by reducers of their own, "
+           "whose collectives a rank out of inputs would have to shadow too")
+    raise ValueError(
+        f"Join (uneven inputs) is not supported for a model with expert-parallel MoE layers: "
+        f"{why}. Give every rank the same number of batches (e.g. a DistributedSampler with "
+        "drop_last=True, or stop every rank at the shortest rank's count).")
 
 
 class JoinFlags:

@@ -31,8 +31,9 @@ from .claims import claim, release
 from .compat import DDPCompat, bucket_sizes, logging_data
 from .forward import Forward
 from .hookcall import HookRef, hook_name, lend_timed_group
-from .join import JoinFlags, ReducerJoinHook
+from .join import JoinFlags, ReducerJoinHook, refuse_join_with_experts
 from .model import expert_replica_sets, inspect_model, verify_across_ranks
+from .shard import ShardAccess
 from .state import ReducerStats
 from .watchdog import CommGuard
 
@@ -41,7 +42,7 @@ __all__ = ["Reducer", "ReducerStats", "fused_bucketing"]
 logger = logging.getLogger("tribucket")
 
 
-class Reducer(DDPCompat, Joinable):
+class Reducer(DDPCompat, ShardAccess, Joinable):
     """Average gradients across ranks with DDP's semantics; see :func:`fused_bucketing`.
 
     Usable directly: ``reducer = Reducer(model)`` attaches, ``reducer.close()`` detaches
@@ -167,31 +168,6 @@ class Reducer(DDPCompat, Joinable):
         """The current bucket layout (DDP's, before and after the rebuild)."""
         return self._bw.layout
 
-    # ------------------------------------------------------------------ shard_optimizer
-    @property
-    def shards(self) -> list:
-        """This rank's slice of every bucket (``shard_optimizer=True`` only)."""
-        if self._bw.shards is None:
-            raise RuntimeError("this reducer does not shard: pass shard_optimizer=True to "
-                               "fused_bucketing (or Reducer)")
-        return self._bw.shards
-
-    @property
-    def grad_shards(self) -> list[torch.Tensor | None]:
-        """Per bucket: this rank's slice of the averaged gradients (the sum over the
-        synchronised backward passes since :meth:`clear_grad_shards`), ``None`` if none."""
-        return self._bw.shard_grads.shards
-
-    @property
-    def shard_used(self) -> list[bool] | None:
-        """Per parameter: whether any rank used it in the last synchronised backward
-        (``find_unused_parameters``/``static_graph``), else ``None`` (all used)."""
-        return self._bw.shard_grads.used
-
-    def clear_grad_shards(self) -> None:
-        """Drop the gradient slices (``ShardedOptimizer.zero_grad``)."""
-        self._bw.shard_grads.clear()
-
     @property
     def averaged_parameters(self) -> list[torch.Tensor]:
         """The parameters this reducer averages; the layout's indices point into it."""
@@ -272,13 +248,15 @@ class Reducer(DDPCompat, Joinable):
                             bw.unused, bw.rebuilt, bw.timings)
 
     def state_dict(self) -> dict:
-        """What a resumed run needs: the (rebuilt) layout, the iteration count, hook state."""
+        """What a resumed run needs: the (rebuilt) layout, the iteration count, hook state;
+        with expert replicas, the expert reducers' too (under a key of this rank's own)."""
         bw = self._bw
         progress = dict(rebuilt=bw.rebuilt, iterations=bw.stats.iterations,
                         passes=bw.passes, static_counts=bw.static_counts,
                         static_used=bw.static_used)
-        return resume.state_dict(self._names, bw.layout, progress, self._comm.hook,
-                                 self._comm.hook_state, self.rank, self.world_size)
+        state = resume.state_dict(self._names, bw.layout, progress, self._comm.hook,
+                                  self._comm.hook_state, self.rank, self.world_size)
+        return resume.with_expert_states(state, self.expert_reducers, self.rank)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` into a reducer over the same model, on every rank,
@@ -293,6 +271,7 @@ class Reducer(DDPCompat, Joinable):
             raise RuntimeError("load_state_dict must be called before the first backward pass "
                                "(on every rank), right after entering fused_bucketing and "
                                "registering the comm hook")
+        expert_states = resume.expert_states(state, len(self.expert_reducers), self.rank)
         layout, progress = resume.read_state_dict(
             state, self._names, self._params, self._comm.hook, self._comm.hook_state,
             self.rank, self.world_size)
@@ -309,6 +288,8 @@ class Reducer(DDPCompat, Joinable):
         bw.stats.buckets = len(bw.layout.buckets)
         bw.allocated = False  # buckets follow the restored layout at the next backward
         bw.agree_pending = True
+        for r, saved in zip(self.expert_reducers, expert_states):
+            r.load_state_dict(saved)
 
     def close(self) -> None:
         """Detach from the model: remove every hook, finish the communication in flight.
@@ -357,6 +338,7 @@ class Reducer(DDPCompat, Joinable):
         ``divide_by_initial_world_size`` (default ``True``, as DDP): divide gradients by the
         initial world size; ``False`` divides by the number of ranks still training.
         """
+        refuse_join_with_experts(self.module)
         if self.config.shard_optimizer:
             raise ValueError("Join (uneven inputs) is not supported with shard_optimizer=True: "
                              "a rank out of inputs would also have to shadow the sharded "

@@ -22,10 +22,14 @@ from ..layout import BucketLayout
 from .hookcall import hook_name
 from .model import verify_state_across_ranks
 
-__all__ = ["state_dict", "read_state_dict", "agree_across_ranks"]
+__all__ = ["state_dict", "read_state_dict", "agree_across_ranks", "with_expert_states",
+           "expert_states"]
 
 _STATE_VERSION = 2
 _SHARED_KEY = "hook_state"
+#: the expert reducers' states go under ``expert_reducers.rank<r>`` (a rank's own: its
+#: experts, hence their names, differ from the other expert-parallel ranks')
+_EXPERT_KEY = "expert_reducers"
 
 
 def state_dict(names: list[str], layout: BucketLayout, progress: dict, hook: Any,
@@ -45,6 +49,43 @@ def state_dict(names: list[str], layout: BucketLayout, progress: dict, hook: Any
         state[_hook_key(hook_state, rank)] = _to_bytes(
             {"rank": rank, "world_size": world_size, "state": saved})
     return state
+
+
+def with_expert_states(state: dict, expert_reducers: list, rank: int) -> dict:
+    """``state`` plus the expert reducers' states (``{"0": ..., "1": ...}`` in their order,
+    one per replica group) under this rank's key; unchanged without expert reducers."""
+    if expert_reducers:
+        state[f"{_EXPERT_KEY}.rank{rank}"] = {str(i): r.state_dict()
+                                              for i, r in enumerate(expert_reducers)}
+    return state
+
+
+def expert_states(state: dict, count: int, rank: int) -> list[dict]:
+    """The ``count`` expert reducer states of this rank in ``state``; raise, naming the fix,
+    if it holds another number, another rank's or none."""
+    mine = f"{_EXPERT_KEY}.rank{rank}"
+    found = sorted(k for k in state if k.startswith(_EXPERT_KEY + ".rank"))
+    if mine not in state:
+        if not found and not count:
+            return []
+        if not found:
+            raise ValueError(
+                f"this reducer averages {count} set(s) of expert replicas (expert x data "
+                "parallelism) but the saved reducer state holds no expert reducer state: it was "
+                "saved from a model without expert replicas. Save reducer.state_dict() from "
+                "the same model and groups, on every rank, and load each rank's own.")
+        raise ValueError(
+            f"the saved reducer state holds the expert reducers of {found[0][len(_EXPERT_KEY) + 1:]}, "
+            f"not of rank {rank}" + (" (and this reducer has no expert replicas)" if not count
+                                     else "") +
+            ": each rank's experts are its own. Save reducer.state_dict() on every rank (a file "
+            "per rank, or torch.distributed.checkpoint) and load each rank's own.")
+    saved = state[mine]
+    if len(saved) != count:
+        raise ValueError(f"the saved reducer state holds {len(saved)} expert reducer state(s) "
+                         f"for rank {rank}, this reducer has {count} (one per replica group): "
+                         "resume with the same model, ep_size and groups")
+    return [saved[str(i)] for i in range(count)]
 
 
 def read_state_dict(state: dict, names: list[str], params: list, hook: Any,

@@ -23,7 +23,7 @@ from .bucket import BucketState, Comm, DenseBucket
 from .state import Pass
 from .watchdog import CommGuard
 
-__all__ = ["ShardGrads", "ShardedBucket"]
+__all__ = ["ShardAccess", "ShardGrads", "ShardedBucket"]
 
 
 class ShardGrads:
@@ -120,3 +120,32 @@ class ShardedBucket(DenseBucket):
         for i, t in zip(self.indices, targets):
             sink.used[i] = bool(t)
         return False
+
+
+class ShardAccess:
+    """The reducer's ``shard_optimizer=True`` API (for :class:`tribucket.ShardedOptimizer`):
+    reads its :class:`~tribucket.ddp.backward.Backward` (``self._bw``) and nothing else."""
+
+    @property
+    def shards(self) -> list:
+        """This rank's slice of every bucket (``shard_optimizer=True`` only)."""
+        if self._bw.shards is None:
+            raise RuntimeError("this reducer does not shard: pass shard_optimizer=True to "
+                               "fused_bucketing (or Reducer)")
+        return self._bw.shards
+
+    @property
+    def grad_shards(self) -> list[torch.Tensor | None]:
+        """Per bucket: this rank's slice of the averaged gradients (the sum over the
+        synchronised backward passes since :meth:`clear_grad_shards`), ``None`` if none."""
+        return self._bw.shard_grads.shards
+
+    @property
+    def shard_used(self) -> list[bool] | None:
+        """Per parameter: whether any rank used it in the last synchronised backward
+        (``find_unused_parameters``/``static_graph``), else ``None`` (all used)."""
+        return self._bw.shard_grads.used
+
+    def clear_grad_shards(self) -> None:
+        """Drop the gradient slices (``ShardedOptimizer.zero_grad``)."""
+        self._bw.shard_grads.clear()

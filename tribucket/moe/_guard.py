@@ -9,8 +9,8 @@ from progress marks each rank leaves in the rendezvous store (only with ``timeou
 ranks that fell behind.
 
 Phases of one forward/backward, in order: ``counts`` (the counts all-to-all, the first
-collective of a forward), ``dispatch`` (tokens to the experts), ``combine`` (the check and
-the tokens back), ``backward`` (the reverse exchanges).
+collective of a forward), ``dispatch`` (tokens to the experts), ``combine`` (the tokens
+back, with each rank's expert-output check), ``backward`` (the reverse exchanges).
 """
 
 from __future__ import annotations

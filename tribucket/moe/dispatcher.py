@@ -32,6 +32,7 @@ from whom, for which local expert) and must hand back ``back_ND`` in ``send_ND``
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -40,8 +41,8 @@ from typing import NoReturn, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import all_to_all, exchange_counts, group_rank_and_size, ranks_reporting
-from ..kernels.moe import moe_counts, permute_tokens, unpermute_tokens
+from ..comm import all_to_all, exchange_counts, group_rank_and_size
+from ..kernels.moe import _use_triton, moe_counts, permute_tokens, unpermute_tokens
 
 __all__ = ["DispatchMeta", "MoEDispatcher", "expert_capacity"]
 
@@ -104,6 +105,8 @@ class DispatchMeta:
     #: ``[w][e]``: rows rank ``w`` sends to global expert ``e`` (after drops), every rank's
     #: routing; only when ``plan(..., gather_counts=True)`` (None otherwise)
     global_counts_host: tuple[tuple[int, ...], ...] | None = None
+    #: dtype of the dispatched rows (what ``combine`` sends back in)
+    row_dtype: torch.dtype = torch.float32
 
     @property
     def num_send(self) -> int:
@@ -124,11 +127,12 @@ class MoEDispatcher:
     ``capacity_factor=None`` is dropless; a float caps the rows each expert accepts from a
     rank at :func:`expert_capacity` and drops the rest in token order (their term is zero).
     ``backend`` picks the token kernels (``"auto"``: Triton on CUDA, PyTorch on CPU;
-    ``"triton"``; ``"reference"``). With ``check_expert_output`` (default) ``combine`` spends
-    one small all-reduce so that a rank whose expert output has the wrong shape (or whose
-    expert raised, in :class:`MoELayer`) makes every rank raise instead of leaving the others
-    blocked in the return exchange; set it False only when every expert is known to be
-    shape-preserving, and on every rank alike.
+    ``"triton"``; ``"reference"``). With ``check_expert_output`` (default) each rank's
+    blocks in ``combine``'s return all-to-all end with one flag row (``W`` rows of ``D`` more
+    per rank, no collective of its own), so that a rank whose expert output has the wrong
+    shape (or whose expert raised, in :class:`MoELayer`) still completes the exchange and
+    makes every rank raise, instead of leaving the others blocked in it; set it False only
+    when every expert is known to be shape-preserving, and on every rank alike.
 
     Example (your own router)::
 
@@ -144,8 +148,8 @@ class MoEDispatcher:
     the counts exchange, before any token moves.
 
     Collectives: ``dispatch`` issues two all-to-alls (counts, tokens), ``combine`` one
-    all-reduce (the check) and one all-to-all, backward two all-to-alls; every rank of the
-    group must call them in the same order and agree on ``x.requires_grad``.
+    (tokens back, with the check), backward two; every rank of the group must call them in
+    the same order and agree on ``x.requires_grad``.
     """
 
     def __init__(self, num_experts: int, *, group: dist.ProcessGroup | None = None,
@@ -191,21 +195,29 @@ class MoEDispatcher:
         """Bring the expert outputs home: ``y_TD[t] = sum_k weights_TK[t, k] · out(t, k)``.
 
         ``expert_output`` is ``[R, D]`` in ``expert_input``'s row order, or a sequence of
-        one ``[meta.tokens_per_expert[l], D]`` tensor per local expert. A dropped slot adds
-        nothing; a token with every slot dropped gets a zero row.
+        one ``[meta.tokens_per_expert[l], D]`` tensor per local expert (taken in the
+        dispatched rows' dtype). A dropped slot adds nothing; a token with every slot dropped
+        gets a zero row.
         """
-        problem, rows_RD = self._check_expert_output(expert_output, meta)
-        self._agree(problem, meta)
-        return self.unpermute(self.exchange_back(rows_RD, meta), meta)
+        problem, rows = self._check_expert_output(expert_output, meta)
+        if not self.check_expert_output or self.world_size == 1:
+            if problem is not None:
+                raise ValueError(problem)
+            return self.unpermute(self.exchange_back(rows, meta), meta)
+        back_BD = self._exchange_back_flagged(None if problem is not None else rows, meta)
+        if problem is not None:
+            raise ValueError(problem)
+        return self._unpermute_flagged(back_BD, meta)
 
     def fail_combine(self, error: BaseException, meta: DispatchMeta) -> NoReturn:
         """Re-raise ``error`` (raised while computing this rank's experts) on every rank.
 
-        Call it instead of :meth:`combine` when the expert computation itself failed: the
-        peers, waiting in ``combine``'s check, raise a RuntimeError naming this rank.
+        Call it instead of :meth:`combine` when the expert computation itself failed: this
+        rank still joins the return all-to-all, with its flag set and no rows worth reading,
+        and the peers raise a RuntimeError naming it.
         """
-        if self.check_expert_output:
-            ranks_reporting(True, self.group, meta.dest_TK.device)
+        if self.check_expert_output and self.world_size > 1:
+            self._exchange_back_flagged(None, meta)
         raise error
 
     def fail_plan(self, error: BaseException, device: torch.device | str = "cpu", *,
@@ -277,7 +289,8 @@ class MoEDispatcher:
             send_counts_host=tuple(map(tuple, send_WL)), recv_counts_host=tuple(map(tuple, recv_WL)),
             counts_host=tuple(counts_host),
             global_counts_host=(tuple(tuple(row[L + 1:]) for row in recv_WC_host)
-                                if gather_counts else None))
+                                if gather_counts else None),
+            row_dtype=x_TD.dtype)
 
     def permute(self, x_TD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """``send_ND``: each token's row once per kept choice, in global-expert order."""
@@ -292,6 +305,16 @@ class MoEDispatcher:
         W, L = self.world_size, self.num_local_experts
         pieces = recv_RD.split([c for row in meta.recv_counts_host for c in row])  # (w, l)
         return torch.cat([pieces[w * L + l] for l in range(L) for w in range(W)])
+
+    def exchange_to_experts(self, send_ND: torch.Tensor, meta: DispatchMeta) -> list[torch.Tensor]:
+        """:meth:`exchange`, handed out as one contiguous ``[tokens_per_expert[l], D]`` tensor
+        per local expert. The same rows; in backward the experts' input gradients go
+        straight back into the all-to-all's (source rank, local expert) order, one copy
+        (splitting :meth:`exchange`'s result makes two: one concatenation per split)."""
+        recv_RD = all_to_all(send_ND, meta.send_splits, meta.recv_splits, self.group)
+        if not meta.regroup:
+            return list(recv_RD.split(list(meta.tokens_per_expert)))
+        return list(_Regroup.apply(recv_RD, meta.recv_counts_host))
 
     def exchange_back(self, expert_output: torch.Tensor | Sequence[torch.Tensor],
                       meta: DispatchMeta) -> torch.Tensor:
@@ -311,6 +334,61 @@ class MoEDispatcher:
         else:
             rows_RD = outs[0] if len(outs) == 1 else torch.cat(outs)
         return all_to_all(rows_RD, meta.recv_splits, meta.send_splits, self.group)
+
+    def _exchange_back_flagged(self, outs: list[torch.Tensor] | None,
+                               meta: DispatchMeta) -> torch.Tensor:
+        """:meth:`exchange_back` with each rank's expert-output check riding along.
+
+        Every block sent to a peer ends with one flag row (column 0: 1.0 when this rank could
+        not produce its expert output, ``outs`` None; the rows are then zeros), so the block
+        from rank ``w`` arrives as its ``send_splits[w]`` rows and a flag row: ``back_BD``
+        has ``B = N + W`` rows. No collective of its own; the flag rows join the rows to send
+        in the copy the regroup makes anyway (with one local expert, it is a copy more).
+        Raises a RuntimeError naming the ranks whose flag is set (after the exchange: no rank
+        is left waiting in it).
+        """
+        W, L, D = self.world_size, self.num_local_experts, meta.d_model
+        device, dtype = meta.dest_TK.device, meta.row_dtype
+        if outs is None:  # this rank failed: zeros of the agreed sizes, every flag set
+            send_BD = torch.zeros(meta.num_recv + W, D, dtype=dtype, device=device)
+            ends = torch.tensor(meta.recv_splits, device=device).cumsum(0)
+            send_BD[ends + torch.arange(W, device=device), 0] = 1
+        else:
+            flag_1D = torch.zeros(1, D, dtype=dtype, device=device)
+            outs = [o.to(dtype) for o in (outs if isinstance(outs, list) else [outs])]
+            if len(outs) != L:
+                outs = list(torch.cat(outs).split(list(meta.tokens_per_expert)))
+            by_rank = [o.split([meta.recv_counts_host[w][l] for w in range(W)])
+                       for l, o in enumerate(outs)]
+            send_BD = torch.cat([piece for w in range(W)
+                                 for piece in [by_rank[l][w] for l in range(L)] + [flag_1D]])
+        back_BD = all_to_all(send_BD, [n + 1 for n in meta.recv_splits],
+                             [n + 1 for n in meta.send_splits], self.group)
+        flag_rows = list(itertools.accumulate(n + 1 for n in meta.send_splits))
+        flags = back_BD.detach()[[i - 1 for i in flag_rows], 0].tolist()  # one host read
+        bad = [w for w, f in enumerate(flags) if f != 0]
+        if bad and outs is not None:
+            raise RuntimeError(
+                f"rank(s) {bad} of the expert-parallel group could not produce their expert "
+                f"output (see the error raised there); rank {self.rank} drops the rows they "
+                f"returned")
+        return back_BD
+
+    def _unpermute_flagged(self, back_BD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
+        """:meth:`unpermute` of ``back_BD`` (:meth:`_exchange_back_flagged`): the flag rows
+        are dead rows that no token-slot points at."""
+        W, T, K = self.world_size, meta.num_tokens, meta.top_k
+        if _use_triton(self.backend, back_BD):  # shift each row past the flag rows before it
+            starts = torch.tensor(meta.send_splits, device=back_BD.device).cumsum(0)
+            shift_TK = torch.bucketize(meta.dest_TK, starts, right=True)
+            dest_TK = torch.where(meta.dest_TK >= 0, meta.dest_TK + shift_TK, meta.dest_TK)
+            return unpermute_tokens(back_BD, dest_TK, meta.weights_TK, backend=self.backend,
+                                    dead_rows=True)
+        dead = meta.slot_N.new_full((1,), T * K)  # the slot of a flag row
+        pieces = meta.slot_N.split(list(meta.send_splits))
+        slot_B = torch.cat([p for w in range(W) for p in (pieces[w], dead)])
+        return unpermute_tokens(back_BD, meta.dest_TK, meta.weights_TK, backend=self.backend,
+                                slot_N=slot_B, dead_rows=True)
 
     def unpermute(self, back_ND: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """``y_TD``: the gate-weighted sum of each token's rows (fp32 accumulation)."""
@@ -365,18 +443,28 @@ class MoEDispatcher:
                         f"an input of shape [{n}, {D}]; experts must map [n, D] -> [n, D]"), None
         return None, outs  # exchange_back concatenates them (with the regroup, in one copy)
 
-    def _agree(self, problem: str | None, meta: DispatchMeta) -> None:
-        if self.check_expert_output:
-            bad = ranks_reporting(problem is not None, self.group, meta.dest_TK.device)
-        else:
-            bad = [self.rank] if problem is not None else []
-        if problem is not None:
-            raise ValueError(problem)
-        if bad:
-            raise RuntimeError(
-                f"rank(s) {bad} of the expert-parallel group could not produce their expert "
-                f"output (see the error raised there); rank {self.rank} stops before the return "
-                f"all-to-all so that no rank is left waiting in it")
+
+class _Regroup(torch.autograd.Function):
+    """Rows by (source rank, local expert) -> one tensor per local expert, sources in order.
+
+    Example: W = 2, L = 2, counts ``[[1, 2], [1, 0]]`` (rank 0 sent 1 row to expert 0 and 2
+    to expert 1, rank 1 one row to expert 0): rows ``[a, b0, b1, c]`` -> ``[a, c]``,
+    ``[b0, b1]``. Backward: the L gradients back into ``[a b0 b1 c]`` order, one cat.
+    """
+
+    @staticmethod
+    def forward(ctx, recv_RD, counts_WL):
+        W, L = len(counts_WL), len(counts_WL[0])
+        ctx.counts_WL = counts_WL
+        pieces = recv_RD.split([c for row in counts_WL for c in row])  # (w, l) order
+        return tuple(torch.cat([pieces[w * L + l] for w in range(W)]) for l in range(L))
+
+    @staticmethod
+    def backward(ctx, *grads_L):
+        counts_WL = ctx.counts_WL
+        W, L = len(counts_WL), len(counts_WL[0])
+        by_expert = [g.split([counts_WL[w][l] for w in range(W)]) for l, g in enumerate(grads_L)]
+        return torch.cat([by_expert[l][w] for w in range(W) for l in range(L)]), None
 
 
 def _route(expert_ids_TK: torch.Tensor, counts_E: torch.Tensor,

@@ -101,8 +101,8 @@ class MoELayer(nn.Module):
     call forward and backward in the same order (to evaluate on some ranks only, use
     :func:`~tribucket.moe.gathered_experts`); bad input on one rank (``x``'s last dimension,
     the router's output, expert ids) or an expert that raises or returns a wrong shape
-    makes every rank raise (the flag rides on the first collective; see
-    :class:`MoEDispatcher`). ``timeout`` (a ``datetime.timedelta``) runs the layer's
+    makes every rank raise (the flag rides on the counts exchange or, for an expert's
+    failure, on the return exchange; see :class:`MoEDispatcher`). ``timeout`` (a ``datetime.timedelta``) runs the layer's
     collectives on a group with that timeout, and a stalled or dead peer then raises a
     ``RuntimeError`` naming the layer (``name``, default ``#k`` for the k-th layer built),
     the phase (counts, dispatch, combine, backward) and the ranks behind, instead of
@@ -336,9 +336,9 @@ class MoELayer(nn.Module):
         shadowed = self._decide_shadows(meta, x_TD.dtype)
         self._guard.mark("dispatch")
         if self.schedule == "alltoall" and not shadowed:
-            expert_input_RD = disp.exchange(disp.permute(x_TD, meta), meta)
+            inputs = disp.exchange_to_experts(disp.permute(x_TD, meta), meta)
             try:
-                outputs = self._run_experts(expert_input_RD, meta)
+                outputs = [expert(rows) for expert, rows in zip(self.experts.values(), inputs)]
             except Exception as error:  # every rank must hear of it before the return exchange
                 self._guard.mark("combine")
                 disp.fail_combine(error, meta)
@@ -442,11 +442,6 @@ class MoELayer(nn.Module):
             raise RuntimeError(f"shadow policy {policy!r} chose expert(s) {bad}, outside "
                                f"0..{self.num_experts - 1}")
         return chosen
-
-    def _run_experts(self, expert_input_RD: torch.Tensor, meta: DispatchMeta) -> list[torch.Tensor]:
-        """Each local expert on its contiguous rows (zero rows included)."""
-        chunks = expert_input_RD.split(list(meta.tokens_per_expert))
-        return [expert(chunk) for expert, chunk in zip(self.experts.values(), chunks)]
 
     def _aux_loss(self, logits_TE: torch.Tensor, probs_TE: torch.Tensor,
                   counts_E: torch.Tensor) -> torch.Tensor:

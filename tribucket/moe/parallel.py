@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["aux_losses", "expert_data_parallel_groups", "gathered_experts"]
+__all__ = ["aux_losses", "expert_data_parallel_groups", "expert_data_parallel_groups_from_mesh",
+           "gathered_experts"]
 
 
 def expert_data_parallel_groups(ep_size: int):
@@ -61,6 +62,39 @@ def expert_data_parallel_groups(ep_size: int):
             if rank % ep_size == pos:
                 replica_group = g
     return ep_group, replica_group
+
+
+def expert_data_parallel_groups_from_mesh(mesh, *, dp_dim: str = "dp", ep_dim: str = "ep"):
+    """``(ep_group, replica_group)`` of this rank from a 2-D ``DeviceMesh`` with dimensions
+    ``dp_dim`` and ``ep_dim`` (either order), for ``MoELayer(group=, replica_group=)``.
+
+    The experts are spread over the ``ep_dim`` group of this rank; the ranks along
+    ``dp_dim`` hold the same experts and average them (``replica_group``, None when that
+    dimension has size 1). No communication: the mesh made the groups. Every rank passes a
+    mesh of the same shape and names, as ``init_device_mesh`` gives.
+
+    Example (4 ranks: ``[[0, 1], [2, 3]]``, EP groups ``{0, 1}``, ``{2, 3}``, replica groups
+    ``{0, 2}``, ``{1, 3}``, as ``expert_data_parallel_groups(ep_size=2)``)::
+
+        mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "ep"))
+        ep, replicas = tribucket.moe.expert_data_parallel_groups_from_mesh(mesh)
+        layer = MoELayer(my_experts, num_experts=2 * len(my_experts), d_model=D,
+                         group=ep, replica_group=replicas)
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh (from "
+                        f"init_device_mesh), got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim != 2 or sorted(names) != sorted((dp_dim, ep_dim)):
+        raise ValueError(
+            f"expert_data_parallel_groups_from_mesh needs a 2-D mesh with dimensions named "
+            f"{dp_dim!r} and {ep_dim!r}, got {mesh.ndim}-D mesh_dim_names={names or None}: build "
+            f"it with init_device_mesh(device, (dp_size, ep_size), mesh_dim_names=({dp_dim!r}, "
+            f"{ep_dim!r})), or pass dp_dim= and ep_dim= naming yours")
+    replica_group = mesh.get_group(dp_dim) if mesh.size(names.index(dp_dim)) > 1 else None
+    return mesh.get_group(ep_dim), replica_group
 
 
 def aux_losses(model: nn.Module) -> torch.Tensor:
