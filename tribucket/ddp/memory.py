@@ -35,7 +35,7 @@ class BucketMemory:
     __slots__ = ("bucket", "params", "dtype", "plan", "always_view", "transfer", "active",
                  "lent", "eager", "_ptr_offsets", "_contiguous", "_gaps", "_base_count",
                  "_mode", "_copied", "_checked", "_checked_unpack", "tail", "_dense",
-                 "_packed", "_views", "_views_of", "_views_count", "_whole")
+                 "_packed", "_views", "_views_of", "_views_count", "_whole", "_scale")
 
     def __init__(self, bucket: Bucket, params: list[torch.Tensor], wire_dtype: torch.dtype,
                  plan, always_view: bool, eager: bool = False, tail: int = 0):
@@ -75,6 +75,7 @@ class BucketMemory:
         self._views_of: torch.Tensor | None = None
         self._views_count = 0
         self._whole = False  # the last finish lent the buffer whole: .grad are _views
+        self._scale: tuple[float, torch.Tensor] | None = None  # (factor, as 0-dim float32)
 
     @staticmethod
     def _gap_index(bucket: Bucket) -> torch.Tensor | None:
@@ -144,6 +145,14 @@ class BucketMemory:
             self._views_count = self._base_count + _use_count(buf) - before
         return self._views
 
+    def _factor(self, scale: float) -> torch.Tensor:
+        """``scale`` as a 0-dim float32 tensor on the bucket's device (cached)."""
+        cached = self._scale
+        if cached is None or cached[0] != scale:
+            cached = self._scale = (scale, torch.tensor(scale, dtype=torch.float32,
+                                                        device=self.bucket.device))
+        return cached[1]
+
     def lent_views(self) -> tuple | None:
         """The ``.grad`` of every parameter, as the last :meth:`finish` set them, when it lent
         the buffer whole (one view per parameter, in order; they share the buffer's version
@@ -179,18 +188,25 @@ class BucketMemory:
                 self._acquire()
                 self._mode = "copy"
         buf = self.active
-        view = buf.narrow(0, self.bucket.offsets[k], self.bucket.sizes[k])
-        if g is None:
-            view.zero_()
-        elif self.is_view(k, g, buf):
-            if scale != 1.0:
+        if g is None or self.is_view(k, g, buf):
+            view = buf.narrow(0, self.bucket.offsets[k], self.bucket.sizes[k])
+            if g is None:
+                view.zero_()
+            elif scale != 1.0:
                 view.mul_(scale)
         else:
-            slot = view.view(g.shape)  # the slot in the gradient's shape (row-major)
-            if scale != 1.0 or g.dtype != buf.dtype:
-                torch.mul(g, scale, out=slot)  # fp32 math, one rounding cast
-            else:
+            # the slot in the gradient's shape: the buffer's cached .grad views when the
+            # bucket is dense (one C++ call per buffer instead of two views per gradient)
+            slot = (self._whole_views(buf)[k] if self._dense else
+                    buf.narrow(0, self.bucket.offsets[k], self.bucket.sizes[k]).view(g.shape))
+            if scale == 1.0 and g.dtype == buf.dtype:
                 slot.copy_(g)
+            elif g.dtype == buf.dtype == torch.float32:
+                # a 0-dim float32 factor: the same products as a Python float, ~2 us less
+                # per call (no wrapped double scalar)
+                torch.mul(g, self._factor(scale), out=slot)
+            else:
+                torch.mul(g, scale, out=slot)  # fp32 math, one rounding cast
             if self.transfer and self._contiguous[k]:
                 # point .grad at its slot now, as DDP does: autograd's tensor is freed at once
                 # and its memory is reused (still in cache) by the next gradient
