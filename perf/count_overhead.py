@@ -13,6 +13,7 @@ tribucket's Python one all count:
                   floor of any reducer that notices gradients from Python
 * ``DDP``         ``DistributedDataParallel`` at world size 1: its C++ reducer still runs
                   (buckets, copies into them, the allreduce launch, copy-out or views)
+* ``DDP view``    DDP with ``gradient_as_bucket_view=True`` (no copy back)
 * ``tribucket``   ``tribucket.Reducer`` with its defaults
 
 Every thread counts, gloo's included (at world size 1 its allreduce is a no-op). At world size 1 tribucket
@@ -49,7 +50,7 @@ from _results import save  # noqa: E402
 from bench_overhead import STACKS, build_variant, make_model  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-VARIANTS = ["local", "no-op hook", "DDP", "tribucket"]
+VARIANTS = ["local", "no-op hook", "DDP", "DDP view", "tribucket"]
 
 
 _REGIONS_C = r"""
@@ -164,8 +165,9 @@ def table(res: dict) -> str:
              f"do not depend on machine load (1-min load {m['loadavg'][0]:.1f} during the "
              f"run).", "",
              "| model | tensors | local (M instr / step) | instructions per parameter over "
-             "local: no-op hook | DDP | tribucket | tribucket / DDP (per parameter) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "local: no-op hook | DDP | DDP view | tribucket | tribucket / DDP (per parameter) "
+             "| tribucket / DDP view |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in res["results"]:
         pp = r["per_param"]
         if r["model"] == "mlp":
@@ -173,10 +175,13 @@ def table(res: dict) -> str:
         else:
             blocks, w = STACKS[int(r["model"])]
             what = f"{blocks} x (Linear {w} + LayerNorm {w})"
+        view, ratio = ((f"{pp['DDP view']:,.0f}", f"{pp['tribucket'] / pp['DDP view']:.2f}x")
+                       if "DDP view" in pp else ("not measured", ""))
         lines.append(f"| {what} | {r['tensors']} | "
                      f"{r['instructions_per_step']['local'] / 1e6:.1f} | "
-                     f"{pp['no-op hook']:,.0f} | {pp['DDP']:,.0f} | **{pp['tribucket']:,.0f}** "
-                     f"| {pp['tribucket'] / pp['DDP']:.2f}x |")
+                     f"{pp['no-op hook']:,.0f} | {pp['DDP']:,.0f} | {view} | "
+                     f"**{pp['tribucket']:,.0f}** | {pp['tribucket'] / pp['DDP']:.2f}x | "
+                     f"{ratio} |")
     return "\n".join(lines) + "\n"
 
 
@@ -188,8 +193,8 @@ def plot(res: dict, path: pathlib.Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = [r["model"] for r in res["results"]]
     for i, v in enumerate(VARIANTS[1:]):
-        ax.bar([j + 0.25 * (i - 1) for j in range(len(names))],
-               [r["per_param"][v] for r in res["results"]], width=0.25, label=v)
+        ax.bar([j + 0.2 * (i - 1.5) for j in range(len(names))],
+               [r["per_param"].get(v, 0) for r in res["results"]], width=0.2, label=v)
     ax.set_xticks(range(len(names)), [f"{n} ({r['tensors']} tensors)" if n == "mlp" else n
                                       for n, r in zip(names, res["results"])])
     ax.set_xlabel("model (parameters)")
