@@ -184,10 +184,10 @@ def _twins(name, find_unused=False, **reducer_kw):
     return ours, ref, ddp, reducer
 
 
-def _clip_vs_torch(name, wire):
+def _clip_vs_torch(name, wire, eager=None):
     from models import batch, loss_of
     rank = dist.get_rank()
-    ours, ref, ddp, reducer = _twins(name, bucket_cap_mb=0.001)
+    ours, ref, ddp, reducer = _twins(name, bucket_cap_mb=0.001, pack_on_ready=eager)
     if wire == "fp16":  # the same wire on both sides: the fused hook and the generic one
         reducer.register_comm_hook(None, hooks.fp16_compress_hook)
         ddp.register_comm_hook(None, hooks.fp16_compress_hook)
@@ -236,10 +236,13 @@ def _clip_vs_torch(name, wire):
     return checks, params_equal
 
 
-@pytest.mark.parametrize("name,wire", [("mlp", "fp32"), ("transformer", "fp32"),
-                                       ("mlp", "fp16")])
-def test_clip_grad_norm_equals_torch(dist_run, name, wire):
-    for checks, params_equal in dist_run(_clip_vs_torch, name, wire, world_size=2):
+@pytest.mark.parametrize("name,wire,eager", [("mlp", "fp32", None), ("transformer", "fp32", None),
+                                             ("mlp", "fp16", None),
+                                             # each gradient copied into the bucket as it
+                                             # arrives (the default for large gradients)
+                                             ("mlp", "fp32", True)])
+def test_clip_grad_norm_equals_torch(dist_run, name, wire, eager):
+    for checks, params_equal in dist_run(_clip_vs_torch, name, wire, eager, world_size=2):
         for c in checks:
             assert c["got"] == pytest.approx(c["want"], rel=1e-5), c
             assert c["grads_equal"], f"gradients after clipping differ from torch's: {c}"

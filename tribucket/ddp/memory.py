@@ -18,6 +18,7 @@ saves one full pass over the bucket. What happens next depends on what the user 
 
 from __future__ import annotations
 
+import operator
 import sys
 
 import torch
@@ -25,6 +26,8 @@ import torch
 from ..layout import Bucket
 
 __all__ = ["BucketMemory"]
+
+_grad_of = operator.attrgetter("grad")
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -265,6 +268,13 @@ class BucketMemory:
                 self.plan.forget(self.body(buf))
                 for q, v in zip(self.params, self._whole_views(buf)):
                     q.grad = v
+                self.lent, self.active, self._whole = buf, None, True
+                return False
+            if all_targets and buf is self._views_of and all(
+                    map(operator.is_, map(_grad_of, self.params), self._views)):
+                # every .grad already is its cached view of the buffer (copied in as each
+                # gradient arrived, or accumulated there by autograd): lent whole as it is
+                self.plan.forget(self.body(buf))
                 self.lent, self.active, self._whole = buf, None, True
                 return False
             for k, q in enumerate(self.params):
