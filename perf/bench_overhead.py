@@ -18,7 +18,8 @@ thread waits for communication or is preempted by the communication threads.
 
 Models: stacks of ``Linear(w, w) + LayerNorm(w)`` blocks (4 tensors per block) from 128 to
 2048 parameters, and the 128-tensor MLP of ``bench_step.py``. The figure is the median over
-rounds after warm-up of rank 0's step; the host cost per parameter is
+rounds after warm-up of rank 0's step, then the median over ``--repeats`` runs of fresh
+ranks (3: where the OS places the ranks moves a whole run); the host cost per parameter is
 ``(step - local step) / parameters``.
 
     python perf/bench_overhead.py               # writes perf/results/overhead.{json,md,png}
@@ -135,9 +136,19 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
     dist.destroy_process_group()
 
 
-def measure(model_name: str, rounds: int, warmup: int, world: int = 2) -> dict:
-    return spawn(_worker, (model_name, rounds, warmup), world,
-                 RESULTS / f".overhead_{model_name}.json")
+def measure(model_name: str, rounds: int, warmup: int, world: int = 2,
+            repeats: int = 1) -> dict:
+    """One model's figures: the median over ``repeats`` fresh sets of ranks of each set's
+    median (where the OS places two ranks and their communication threads on two CPUs
+    shifts a whole run: the spread between runs is larger than within one)."""
+    runs = [spawn(_worker, (model_name, rounds, warmup), world,
+                  RESULTS / f".overhead_{model_name}.json") for _ in range(repeats)]
+    out = dict(runs[0])
+    for key in ("median_s", "thread_median_s"):
+        out[key] = {k: statistics.median(r[key][k] for r in runs) for k in runs[0][key]}
+    out["repeat_median_s"] = [r["median_s"] for r in runs]
+    out["all_s"] = {k: [x for r in runs for x in r["all_s"][k]] for k in runs[0]["all_s"]}
+    return out
 
 
 def per_param_us(res: dict, variant: str, key: str = "median_s") -> float:
@@ -145,13 +156,18 @@ def per_param_us(res: dict, variant: str, key: str = "median_s") -> float:
     return (med[variant] - med["local"]) / res["tensors"] * 1e6
 
 
+def _repeats(meta: dict) -> str:
+    n = meta.get("repeats", 1)
+    return (f", then the median over {n} runs (fresh ranks each)" if n > 1 else "")
+
+
 def table(results: list[dict], meta: dict) -> str:
     load = meta["loadavg"]
     lines = [f"Host cost per parameter: `zero_grad` + forward + backward of `sum(model(x)**2)`, "
              f"2 gloo ranks x 1 intra-op thread on a {meta['cpus']}-CPU {meta['machine']} "
              f"machine, torch {meta['torch']}; median of {meta['rounds']} rounds after "
-             f"{meta['warmup']} warm-up, variants interleaved; 1-min load average "
-             f"{load[0]:.2f} at the start, {meta['loadavg_end'][0]:.2f} at the end.", "",
+             f"{meta['warmup']} warm-up, variants interleaved{_repeats(meta)}; 1-min load "
+             f"average {load[0]:.2f} at the start, {meta['loadavg_end'][0]:.2f} at the end.", "",
              "| model | tensors | local (ms) | no-op hook | DDP | DDP view | tribucket | "
              "tribucket / DDP | tribucket / DDP view | us per parameter over local: "
              "no-op hook / counting hook / DDP / tribucket | main-thread CPU us per "
@@ -216,6 +232,8 @@ def main(argv=None) -> None:
     p.add_argument("--models", default="128,512,1024,2048,mlp")
     p.add_argument("--rounds", type=int, default=25)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="fresh sets of ranks per model; figures are the median of their medians")
     p.add_argument("--render", action="store_true",
                    help="re-make overhead.md and overhead.png from overhead.json")
     p.add_argument("--out", default="overhead", help="results name (perf/results/NAME.json)")
@@ -228,10 +246,11 @@ def main(argv=None) -> None:
     results = []
     for name in args.models.split(","):
         t0 = time.time()
-        results.append(measure(name, args.rounds, args.warmup))
+        results.append(measure(name, args.rounds, args.warmup, repeats=args.repeats))
         print(f"{name}: done in {time.time() - t0:.0f}s", file=sys.stderr)
     meta = {"torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
-            "rounds": args.rounds, "warmup": args.warmup, "loadavg": loadavg,
+            "rounds": args.rounds, "warmup": args.warmup, "repeats": args.repeats,
+            "loadavg": loadavg,
             "loadavg_end": list(os.getloadavg())}
     data = {"meta": meta, "results": results}
     if args.out != "overhead":  # a scratch run: JSON only
