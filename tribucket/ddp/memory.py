@@ -263,18 +263,15 @@ class BucketMemory:
         self._whole = False
         if self.transfer and buf is not None and result.data_ptr() == buf.data_ptr() \
                 and result.dtype == buf.dtype:
-            if packed and self._dense and all_targets:
-                # a fresh (or free) buffer no gradient views yet: lend it whole, in one call
+            # lent whole: a buffer packed in one call (its cached views become .grad in one
+            # loop), or one whose every .grad already is its cached view (copied in as each
+            # gradient arrived, or accumulated there by autograd)
+            if all_targets and self._dense and (packed or (buf is self._views_of and all(
+                    map(operator.is_, map(_grad_of, self.params), self._views)))):
                 self.plan.forget(self.body(buf))
-                for q, v in zip(self.params, self._whole_views(buf)):
-                    q.grad = v
-                self.lent, self.active, self._whole = buf, None, True
-                return False
-            if all_targets and buf is self._views_of and all(
-                    map(operator.is_, map(_grad_of, self.params), self._views)):
-                # every .grad already is its cached view of the buffer (copied in as each
-                # gradient arrived, or accumulated there by autograd): lent whole as it is
-                self.plan.forget(self.body(buf))
+                if packed:
+                    for q, v in zip(self.params, self._whole_views(buf)):
+                        q.grad = v
                 self.lent, self.active, self._whole = buf, None, True
                 return False
             for k, q in enumerate(self.params):
