@@ -160,17 +160,18 @@ def _layout_shapes(reducer, model):
             for b, bucket in enumerate(reducer.layout.buckets)]
 
 
-def _layouts_vs_ddp(name, kwargs, steps=4):
+def _layouts_vs_ddp(name, kwargs, tb_kwargs, ddp_kwargs, steps=4):
     """Per iteration: DDP's (bucket index, tensor shapes) as its hook sees them, against
-    tribucket's with the same recording hook and tribucket's default-path layout."""
+    tribucket's with the same recording hook and tribucket's default-path layout.
+    ``tb_kwargs`` / ``ddp_kwargs``: options given to one side only."""
     rank = dist.get_rank()
     ddp_log, tb_log = [], []
-    ddp = DDP(build(name), **kwargs)
+    ddp = DDP(build(name), **kwargs, **ddp_kwargs)
     ddp.register_comm_hook(ddp_log, _recording_hook)
     hooked, plain = build(name), build(name)
     out = {"ddp": [], "hooked": [], "plain": []}
-    with tribucket.fused_bucketing(hooked, **kwargs) as r1, \
-            tribucket.fused_bucketing(plain, **kwargs) as r2:
+    with tribucket.fused_bucketing(hooked, **kwargs, **tb_kwargs) as r1, \
+            tribucket.fused_bucketing(plain, **kwargs, **tb_kwargs) as r2:
         r1.register_comm_hook(tb_log, _recording_hook)
         for step in range(steps):
             x = batch(name, rank, step)
@@ -188,7 +189,9 @@ def _layouts_vs_ddp(name, kwargs, steps=4):
 
 LAYOUT_CASES = [
     ("mlp", dict(bucket_cap_mb=0.001)),
-    ("mlp_wide", {}),
+    # DDP's default caps: its 1 MiB first bucket, asked for (on the CPU, tribucket's default
+    # first bucket is as large as the others, see the next test)
+    ("mlp_wide", dict(tb=dict(first_bucket_cap_mb=1))),
     ("mlp_wide", dict(bucket_cap_mb=0.4)),
     ("mlp", dict(bucket_cap_mb=0.002, find_unused_parameters=True)),
     ("mixed", dict(bucket_cap_mb=0.0003)),
@@ -199,13 +202,27 @@ LAYOUT_CASES = [
 
 @pytest.mark.parametrize("name,kwargs", LAYOUT_CASES)
 def test_layouts_equal_ddp(dist_run, name, kwargs):
-    results = dist_run(_layouts_vs_ddp, name, kwargs, world_size=2)
+    kwargs = dict(kwargs)
+    results = dist_run(_layouts_vs_ddp, name, kwargs, kwargs.pop("tb", {}), {},
+                       world_size=2)
     for out in results:
         assert out["hooked"] == out["ddp"], "hook calls differ from DDP's"
         assert out["plain"] == out["ddp"], "default-path layout differs from DDP's"
     expected_rebuilds = 0 if kwargs.get("find_unused_parameters") else 1
     assert results[0]["rebuilds"] == (expected_rebuilds, expected_rebuilds)
     assert results[0]["plain"] == results[1]["plain"]
+
+
+def test_cpu_default_first_bucket_is_full_size(dist_run):
+    """With the caps left at their defaults, a CPU model's first bucket is not split off small
+    (gloo reduces on the cores backward computes on): the layout is DDP's with every bucket,
+    the first too, at 25 MiB (``bucket_cap_mb=25``)."""
+    results = dist_run(_layouts_vs_ddp, "mlp_wide", {}, {}, dict(bucket_cap_mb=25),
+                       world_size=2)
+    for out in results:
+        assert out["hooked"] == out["ddp"] and out["plain"] == out["ddp"]
+        # 2.1 MiB of gradients: two buckets under DDP's default caps (the case above), one here
+        assert len(out["plain"][-1]) == 1
 
 
 # -------------------------------------------------------------------- errors

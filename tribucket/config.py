@@ -46,7 +46,9 @@ class ReducerConfig:
     #: (4 MiB with ``shard_optimizer=True``, see DEFAULT_SHARD_BUCKET_CAP_MB)
     bucket_cap_mb: float | None = None
     #: cap of the first bucket of each (dtype, device) after the rebuild; ``None`` means
-    #: 1 MiB when ``bucket_cap_mb`` is ``None``, else ``bucket_cap_mb`` (torch DDP 2.x)
+    #: 1 MiB when ``bucket_cap_mb`` is ``None``, else ``bucket_cap_mb`` (torch DDP 2.x),
+    #: except for a model all on the CPU: ``bucket_cap_mb``'s value
+    #: (see ``ddp.rebuild.LayoutPolicy.first_cap_bytes``)
     first_bucket_cap_mb: float | None = None
     #: make each ``.grad`` a view into its bucket: no copies in or out, as DDP's option
     gradient_as_bucket_view: bool = False

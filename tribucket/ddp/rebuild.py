@@ -29,7 +29,7 @@ class LayoutPolicy:
             # DDP keeps its size-capped initial buckets when it will never rebuild (and the
             # sharded optimizer's state lives on the first layout)
             caps = dict(bucket_cap_bytes=cfg.bucket_cap_bytes,
-                        first_bucket_cap_bytes=min(cfg.first_bucket_cap_bytes,
+                        first_bucket_cap_bytes=min(self.first_cap_bytes(),
                                                    cfg.bucket_cap_bytes))
         else:
             # DDP 2.x: one bucket per (dtype, device) until the rebuild, because the
@@ -37,6 +37,19 @@ class LayoutPolicy:
             caps = dict(bucket_cap_bytes=NO_CAP, first_bucket_cap_bytes=NO_CAP)
         return compute_layout(self.params, expect_sparse=self.expect_sparse,
                               align_bytes=DDP_ALIGN_BYTES, **caps)
+
+    def first_cap_bytes(self) -> int:
+        """The first bucket's cap after the rebuild. Left at its default on a model whose
+        gradients are all on the CPU, it is the bucket cap: DDP's small first bucket starts an
+        allreduce early so that it overlaps the rest of backward, but gloo reduces on the
+        same cores the backward pass computes on, so the early allreduce competes with it
+        instead (and adds one collective per step). ``shard_optimizer`` keeps its own caps."""
+        cfg = self.config
+        if (cfg.first_bucket_cap_mb is None and cfg.bucket_cap_mb is None
+                and not cfg.shard_optimizer
+                and all(p.device.type == "cpu" for p in self.params)):
+            return cfg.bucket_cap_bytes
+        return cfg.first_bucket_cap_bytes
 
     def may_rebuild(self, rebuilt: bool) -> bool:
         """Whether a rebuild can still happen (and gradient-ready order is worth recording)."""
@@ -63,5 +76,5 @@ class LayoutPolicy:
         cfg = self.config
         return compute_layout(
             self.params, bucket_cap_bytes=cfg.bucket_cap_bytes,
-            first_bucket_cap_bytes=cfg.first_bucket_cap_bytes,
+            first_bucket_cap_bytes=self.first_cap_bytes(),
             expect_sparse=self.expect_sparse, order=t.tolist(), align_bytes=align_bytes)
