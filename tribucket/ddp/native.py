@@ -40,20 +40,35 @@ def load():
         return _module
     with _lock:
         if _module is None and _error is None:
+            path = os.environ.get("PATH", "")
             try:
                 from torch.utils.cpp_extension import load as build
 
+                # the pip-installed ninja, even when its environment is not activated
+                if _ninja_dir():
+                    os.environ["PATH"] = _ninja_dir() + os.pathsep + path
                 _module = build("tribucket_ready_hooks", [str(_SOURCE)],
                                 extra_cflags=["-O2"], verbose=False)
             except Exception as e:  # noqa: BLE001 - any build failure means "use Python"
-                _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-                if os.environ.get("TRIBUCKET_NATIVE_QUIET") != "1":
-                    warnings.warn("tribucket: the native gradient hooks could not be built "
-                                  f"({_error}); using the Python hooks (same results, more "
-                                  "host time per gradient). Install a C++ compiler and "
-                                  "`ninja`, or pass native_hooks=False to silence this.",
-                                  RuntimeWarning, stacklevel=3)
+                lines = str(e).strip().splitlines()
+                _error = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+                warnings.warn("tribucket: the native gradient hooks could not be built "
+                              f"({_error}); using the Python hooks (same results, more host "
+                              "time per gradient). Install a C++ compiler and `ninja`, or "
+                              "pass native_hooks=False to silence this.", RuntimeWarning,
+                              stacklevel=3)
+            finally:
+                os.environ["PATH"] = path
     return _module
+
+
+def _ninja_dir() -> str:
+    try:
+        import ninja
+
+        return getattr(ninja, "BIN_DIR", "")
+    except ImportError:
+        return ""
 
 
 def unavailable_reason() -> str | None:
