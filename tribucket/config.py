@@ -92,6 +92,11 @@ class ReducerConfig:
     #: smaller ones are packed in one call (per-gradient Python work would cost more).
     #: Also set by the environment variable ``TRIBUCKET_EAGER_PACK=1``/``0``
     pack_on_ready: bool | None = field(default_factory=lambda: _env_flag("TRIBUCKET_EAGER_PACK"))
+    #: count gradients in with C++ hooks (``tribucket/ddp/native.py``: compiled on first use,
+    #: about 20 s, then cached): ``None`` (default) when the extension builds, else the
+    #: Python hooks with a warning; ``True``: an error if it does not build; ``False``: the
+    #: Python hooks. Same results either way. Also set by ``TRIBUCKET_NATIVE_HOOKS=1``/``0``
+    native_hooks: bool | None = field(default_factory=lambda: _env_flag("TRIBUCKET_NATIVE_HOOKS"))
 
     def __post_init__(self) -> None:
         _positive_mb("bucket_cap_mb", self.bucket_cap_mb)
@@ -105,6 +110,9 @@ class ReducerConfig:
         if not (isinstance(self.broadcast_buffers, bool) or self.broadcast_buffers == "ddp"):
             raise ValueError(f"broadcast_buffers must be True, False or 'ddp' (also before "
                              f"evaluation forwards, as DDP), got {self.broadcast_buffers!r}")
+        if self.native_hooks is not None and not isinstance(self.native_hooks, bool):
+            raise TypeError(f"native_hooks must be True, False or None, got "
+                            f"{self.native_hooks!r}")
         if self.pack_on_ready is not None and not isinstance(self.pack_on_ready, bool):
             raise TypeError(f"pack_on_ready must be True, False or None, got "
                             f"{self.pack_on_ready!r}")

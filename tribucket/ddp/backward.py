@@ -1,8 +1,8 @@
 """The backward pass of the data-parallel reducer: what spans buckets.
 
-The path of one gradient: ``bucket.GradHook`` (the post-accumulate-grad hook of every
-parameter) marks it ready and counts it down in its bucket, nothing more in the common
-case; when a bucket's count reaches zero and every earlier bucket is launched, the bucket
+The path of one gradient: a post hook on its accumulator marks it ready and counts it
+down in its bucket, nothing more in the common case (in C++, ``native.py``; else in Python,
+``bucket.GradHook``, which also takes every other case); when a bucket's count reaches zero and every earlier bucket is launched, the bucket
 (``bucket.py``) is packed in one call (``memory.py`` into ``tribucket.kernels``) and
 communicated; at the end of backward each bucket waits for its result and lends it back as
 ``.grad`` views of the averaged buffer.
@@ -32,6 +32,7 @@ from .allocate import align_bytes, build_buckets
 from .bucket import BucketState, Comm, GradHook
 from .compat import CommTimings
 from .join import JoinFlags
+from .native import NO_NATIVE
 from .rebuild import LayoutPolicy
 from .shard import ShardGrads
 from .state import Pass, ReducerStats, log_buckets
@@ -83,6 +84,7 @@ class Backward:
         self._plain = not (config.static_graph or config.find_unused_parameters)
         #: the post-accumulate-grad hook of each parameter (the reducer registers them)
         self.grad_hooks = [GradHook(self, i) for i in range(len(params))]
+        self.native = NO_NATIVE  # native.NativeHooks when C++ hooks count gradients in
         #: shard_optimizer: this rank's slice of every bucket, and the averaged slices
         self.shards, self.shard_grads = None, None
         if config.shard_optimizer:
@@ -157,27 +159,22 @@ class Backward:
         for bucket in self.buckets:
             bucket.reset()
         self.guard.mark_progress(p.iteration)
-        p.scale = 1.0 / self._divisor() if self.comm.traits.prescale else 1.0
+        work, self.join_work = self.join_work, None
+        p.scale = (1.0 / self.join_flags.divisor(work, self.world_size, self.passes)
+                   if self.comm.traits.prescale else 1.0)
         self.epilogue.reset()  # the figures of the last backward are void
         cfg = self.config
         p.record_order = (self.policy.may_rebuild(self.rebuilt)
                           and (not cfg.static_graph or self.static_counts is not None))
         # later gradients of this pass take GradHook's short path
         p.plain = self._plain and not p.record_order
+        if p.plain:
+            self.native.begin(p, self.buckets)
         if cfg.static_graph and self.static_counts is None:
             return
         if cfg.static_graph or cfg.find_unused_parameters:
             for i in self.unused:
                 self._mark_ready(p, i)
-
-    def _divisor(self) -> int:
-        """The world size, or under ``Join(divide_by_initial_world_size=False)`` the ranks
-        still training (the count the join notification allreduce produced)."""
-        work, self.join_work = self.join_work, None
-        if work is None or self.join_flags.divide_by_initial_world_size:
-            return self.world_size
-        self.guard.wait(work, "the Join notification", self.passes)
-        return max(1, int(work.result()[0].item()))
 
     def _mark_ready(self, p: Pass, index: int) -> None:
         self.grad_hooks[index].mark(p)
@@ -212,6 +209,7 @@ class Backward:
             self.config, self.layout, self.params, self.names, self.comm, self.device,
             self.status.length, self.piggyback, self.shards, self.shard_grads,
             self._write_status_tail)
+        self.native.layout(self.buckets, self.slot)
         if self.epilogue is not None:
             self.epilogue.close()
         self.epilogue = Epilogue([b.params for b in self.buckets],
@@ -233,6 +231,7 @@ class Backward:
     # ------------------------------------------------------------------ end of backward
     def finalize(self) -> None:
         p, self.pass_ = self.pass_, None
+        self.native.end(self.buckets)  # the counts kept in C++ this pass come back
         if p is None or not p.sync:
             return
         if not p.any_ready:
@@ -378,6 +377,7 @@ class Backward:
         pairing these collectives with the next pass's. This rank's user has seen the
         exception already; the next pass starts clean on every rank."""
         p, self.pass_ = self.pass_, None
+        self.native.end(self.buckets)
         if p is None or not p.sync:
             return  # a no_sync pass issues no collective
         if not p.any_ready:

@@ -85,8 +85,14 @@ class GradHook:
     def mark(self, p: Pass) -> None:
         """Mark this parameter's gradient ready in pass ``p`` and count it down."""
         bw = self.bw
-        p.ready[self.index] = 1
         bucket, k = bw.slot[self.index]
+        native = bw.native
+        if native.on and native.native[bucket.index]:
+            if native.mark(self.index):  # its count lives in C++ during this pass
+                bucket.pending = 0
+                bw.bucket_complete(p, bucket)
+            return
+        p.ready[self.index] = 1
         if bucket.eager:
             bucket.put(k, p.scale)
         bucket.pending -= 1
@@ -246,7 +252,7 @@ class DenseBucket(_BucketBase):
     """A bucket of dense gradients: one flat buffer, one pack, one communication, one lend."""
 
     __slots__ = ("mem", "chunks", "eager", "chunked", "prefix", "chunk_next", "tail_writer",
-                 "prev")
+                 "prev", "native_ok")
 
     def __init__(self, index: int, spec: Bucket, params: list, is_last: bool,
                  mem: BucketMemory, chunks: list[tuple[int, int]],
@@ -256,6 +262,7 @@ class DenseBucket(_BucketBase):
         self.eager = mem.eager               # gradients are copied in as they become ready
         self.chunks = chunks                 # (parameters before the cut, element end) each
         self.chunked = len(chunks) > 1       # sent in several allreduces
+        self.native_ok = not (self.eager or self.chunked)  # counted by the native hooks
         self.tail_writer = tail_writer       # writes the status into the buffer's tail
         self.prev = prev                     # the bucket before (serialized hooks chain)
         self.prefix = 0                      # this pass: leading parameters all ready

@@ -48,6 +48,15 @@ class JoinFlags:
         #: DDP) or by the ranks still training
         self.divide_by_initial_world_size = True
 
+    def divisor(self, work, world_size: int, iteration: int) -> int:
+        """What a pass divides by: the world size, or under
+        ``Join(divide_by_initial_world_size=False)`` the ranks still training (the count the
+        join notification allreduce ``work`` produced)."""
+        if work is None or self.divide_by_initial_world_size:
+            return world_size
+        self.guard.wait(work, "the Join notification", iteration)
+        return max(1, int(work.result()[0].item()))
+
     def allreduce(self, value: float, iteration: int, op=dist.ReduceOp.SUM) -> float:
         t = torch.tensor([value], device=self.device)
         work = dist.all_reduce(t, op=op, group=self.process_group, async_op=True)

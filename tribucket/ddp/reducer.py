@@ -24,7 +24,7 @@ from ..comm import broadcast_coalesced
 from ..config import ReducerConfig
 from ..hooks import _hook_traits
 from ..layout import BucketLayout
-from . import resume
+from . import native, resume
 from .backward import Backward
 from .bucket import Comm
 from .claims import claim, release
@@ -122,10 +122,19 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
 
     def _attach(self) -> None:
         bw, module = self._bw, self.module
-        for p, hook in zip(self._params, bw.grad_hooks):  # tied parameters appear once
-            # the bound method: torch calls it through the vectorcall fast path, an object
-            # with __call__ through slot_tp_call (~300 instructions more per gradient)
-            self._handles.append(p.register_post_accumulate_grad_hook(hook.__call__))
+        ext = None if self.config.native_hooks is False else native.load()
+        if ext is None and self.config.native_hooks:
+            raise RuntimeError("tribucket: native_hooks=True but the native gradient hooks "
+                               f"could not be built ({native.unavailable_reason()}); install "
+                               "a C++ compiler and `ninja`, or leave native_hooks unset")
+        if ext is not None:
+            bw.native = native.NativeHooks(ext, self._params, bw)
+            self._handles.append(bw.native)  # remove() takes its hooks off
+        else:
+            for p, hook in zip(self._params, bw.grad_hooks):  # tied parameters appear once
+                # the bound method: torch calls it through the vectorcall fast path, an
+                # object with __call__ through slot_tp_call (~300 instructions more each)
+                self._handles.append(p.register_post_accumulate_grad_hook(hook.__call__))
         self._handles.append(module.register_forward_pre_hook(
             self._hook_ref(self._forward, "pre_forward")))
         self._handles.append(module.register_forward_hook(

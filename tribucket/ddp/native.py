@@ -1,0 +1,152 @@
+"""Native gradient-ready hooks: the per-gradient common case in C++.
+
+A Python post-accumulate-grad hook costs about a microsecond per gradient before it does
+anything, and more on a loaded CPU; DDP's reducer does its per-gradient work in C++. These
+hooks (``ready_hooks.cpp``, a post hook on each parameter's gradient accumulator, as DDP's)
+do the common case without entering Python: mark the gradient ready and count it down in
+its bucket. Python runs once per completed bucket (``on_complete(bucket)``) and for every
+gradient the native path does not handle (``fallback(parameter)``): the first of a pass,
+``no_sync``, ``static_graph``/``find_unused_parameters`` bookkeeping, buckets packed as
+gradients arrive, sparse buckets, misuse.
+
+The extension is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler
+and ``ninja``; about 20 s, cached in ``TORCH_EXTENSIONS_DIR``). Where it cannot be built the
+reducer uses its Python hooks, which behave the same; ``ReducerConfig.native_hooks=True``
+makes that an error instead.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import threading
+import warnings
+
+import torch
+
+__all__ = ["NO_NATIVE", "NativeHooks", "load", "unavailable_reason"]
+
+_SOURCE = pathlib.Path(__file__).with_name("ready_hooks.cpp")
+_lock = threading.Lock()
+_module = None
+_error: str | None = None
+
+
+def load():
+    """The compiled extension, or None when it cannot be built (see
+    :func:`unavailable_reason`)."""
+    global _module, _error
+    if _module is not None or _error is not None:
+        return _module
+    with _lock:
+        if _module is None and _error is None:
+            path = os.environ.get("PATH", "")
+            try:
+                from torch.utils.cpp_extension import load as build
+
+                # the pip-installed ninja, even when its environment is not activated
+                if _ninja_dir():
+                    os.environ["PATH"] = _ninja_dir() + os.pathsep + path
+                _module = build("tribucket_ready_hooks", [str(_SOURCE)],
+                                extra_cflags=["-O2"], verbose=False)
+            except Exception as e:  # noqa: BLE001 - any build failure means "use Python"
+                lines = str(e).strip().splitlines()
+                _error = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+                warnings.warn("tribucket: the native gradient hooks could not be built "
+                              f"({_error}); using the Python hooks (same results, more host "
+                              "time per gradient). Install a C++ compiler and `ninja`, or "
+                              "pass native_hooks=False to silence this.", RuntimeWarning,
+                              stacklevel=3)
+            finally:
+                os.environ["PATH"] = path
+    return _module
+
+
+def _ninja_dir() -> str:
+    try:
+        import ninja
+
+        return getattr(ninja, "BIN_DIR", "")
+    except ImportError:
+        return ""
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load` returned None (after it did), else None."""
+    return _error
+
+
+class NativeHooks:
+    """The reducer's side of the native hooks of one model.
+
+    During a *plain* pass (see ``state.Pass.plain``) the buckets the native path handles
+    (``native[b]``: dense, packed when complete, sent whole) keep their ready flags in the
+    pass's ``ready`` bytearray (shared with C++) and their counts in C++; :meth:`end` copies
+    the counts back to ``bucket.pending`` when the pass ends. Every other gradient goes to
+    its :class:`~tribucket.ddp.bucket.GradHook` as the Python hooks would.
+    """
+
+    def __init__(self, module, params: list, bw):
+        self.bw = bw
+        self.on = False                        # a pass is counted natively now
+        self.native: list[int] = []            # per bucket: 1 if counted natively
+        self.hooks = module.Hooks(params, self._complete, self._fallback)
+        if bw.allocated:
+            self.layout(bw.buckets, bw.slot)
+
+    def _fallback(self, index: int) -> None:
+        self.bw.grad_hooks[index](None)
+
+    def _complete(self, b: int) -> None:
+        bw = self.bw
+        bucket = bw.buckets[b]
+        bucket.pending = 0
+        bw.bucket_complete(bw.pass_, bucket)
+
+    def layout(self, buckets: list, slot: list) -> None:
+        """The buckets of a new layout (no pass under way)."""
+        self.end(buckets)
+        self.native = [int(getattr(b, "native_ok", False)) for b in buckets]
+        self.hooks.layout([bucket.index for bucket, _ in slot], len(buckets))
+
+    def begin(self, p, buckets: list) -> None:
+        """Pass ``p`` is plain from here on: count its native buckets in C++."""
+        if any(self.native):
+            self.hooks.begin(torch.frombuffer(p.ready, dtype=torch.uint8),
+                             [b.pending for b in buckets], self.native)
+            self.on = True
+
+    def mark(self, index: int) -> bool:
+        """Count parameter ``index`` (of a native bucket) in from Python; whether its bucket
+        is complete."""
+        return self.hooks.mark(index)
+
+    def end(self, buckets: list) -> None:
+        """The pass ends (or is abandoned): the native buckets' counts back to Python."""
+        if self.on:
+            self.on = False
+            for bucket, native, left in zip(buckets, self.native, self.hooks.end()):
+                if native:
+                    bucket.pending = left
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters (``close()``)."""
+        self.hooks.remove()
+
+
+class _NoNative:
+    """The reducer's ``native`` when the Python hooks count gradients in: nothing to do."""
+
+    on = False
+
+    def begin(self, p, buckets: list) -> None:
+        pass
+
+    def end(self, buckets: list) -> None:
+        pass
+
+    def layout(self, buckets: list, slot: list) -> None:
+        pass
+
+
+NO_NATIVE = _NoNative()

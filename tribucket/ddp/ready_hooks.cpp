@@ -1,0 +1,152 @@
+// Native post-accumulate-grad hooks for tribucket's reducer: the per-gradient common case
+// (mark ready, count down in its bucket) without entering Python; Python is called once per
+// completed bucket, and for every gradient the native path does not handle.
+#include <torch/extension.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/Exceptions.h>
+
+#include <atomic>
+#include <memory>
+#include <vector>
+
+namespace py = pybind11;
+using torch::autograd::variable_list;
+
+namespace {
+
+struct State {
+  std::vector<int32_t> bucket_of;    // per parameter: its bucket
+  std::vector<uint8_t> native;       // per bucket: counted here during an enabled pass
+  std::vector<int32_t> pending;      // per bucket: gradients not yet counted
+  uint8_t* ready = nullptr;          // per parameter: the pass's ready flags (Python's bytearray)
+  at::Tensor ready_owner;            // keeps that buffer alive
+  bool enabled = false;              // a pass whose native buckets are counted here
+  py::object on_complete;            // on_complete(bucket): a native bucket's count reached 0
+  py::object fallback;               // fallback(param): every other gradient
+};
+
+void call_python(const py::object& fn, int64_t arg) {
+  py::gil_scoped_acquire gil;
+  try {
+    fn(arg);
+  } catch (py::error_already_set& e) {
+    e.restore();
+    throw python_error();  // rethrown to backward()'s caller as the original exception
+  }
+}
+
+struct ReadyHook : torch::autograd::FunctionPostHook {
+  std::shared_ptr<State> st;
+  int64_t index;
+  ReadyHook(std::shared_ptr<State> s, int64_t i) : st(std::move(s)), index(i) {}
+
+  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+    State& s = *st;
+    if (s.enabled && !s.ready[index]) {
+      const int32_t b = s.bucket_of[index];
+      if (s.native[b]) {
+        s.ready[index] = 1;
+        if (--s.pending[b] == 0) {
+          call_python(s.on_complete, b);
+        }
+        return outputs;
+      }
+    }
+    call_python(s.fallback, index);
+    return outputs;
+  }
+};
+
+class Hooks {
+ public:
+  Hooks(std::vector<at::Tensor> params, py::object on_complete, py::object fallback)
+      : st_(std::make_shared<State>()) {
+    st_->bucket_of.assign(params.size(), 0);
+    st_->on_complete = std::move(on_complete);
+    st_->fallback = std::move(fallback);
+    for (size_t i = 0; i < params.size(); ++i) {
+      // the grad accumulator is held here: the tensor keeps only a weak reference, and a
+      // new one (without this hook) would be made for the next backward
+      auto acc = torch::autograd::impl::grad_accumulator(params[i]);
+      TORCH_CHECK(acc, "parameter ", i, " has no gradient accumulator (requires_grad=False?)");
+      keys_.push_back(acc->add_post_hook(std::make_unique<ReadyHook>(st_, (int64_t)i)));
+      accs_.push_back(std::move(acc));
+    }
+  }
+  ~Hooks() { remove(); }
+
+  void remove() {
+    for (size_t i = 0; i < accs_.size(); ++i) accs_[i]->del_post_hook(keys_[i]);
+    accs_.clear();
+    keys_.clear();
+    // (called with the GIL held: from Python, or by the Python object's deallocation)
+    st_->enabled = false;
+    st_->on_complete = py::none();
+    st_->fallback = py::none();
+  }
+
+  // the bucket of each parameter (a new layout); no pass may be under way
+  void layout(std::vector<int32_t> bucket_of, int64_t n_buckets) {
+    TORCH_CHECK(!st_->enabled, "layout changed during a pass");
+    TORCH_CHECK(bucket_of.size() == st_->bucket_of.size(), "one bucket per parameter");
+    for (int32_t b : bucket_of) TORCH_CHECK(b >= 0 && b < n_buckets, "bucket out of range");
+    st_->bucket_of = std::move(bucket_of);
+    st_->native.assign(n_buckets, 0);
+    st_->pending.assign(n_buckets, 0);
+  }
+
+  // a pass begins: ``ready`` (uint8, one per parameter) is the pass's flags, ``pending`` the
+  // count of each bucket, ``native`` which buckets are counted here
+  void begin(at::Tensor ready, std::vector<int32_t> pending, std::vector<uint8_t> native) {
+    TORCH_CHECK(ready.is_contiguous() && ready.scalar_type() == at::kByte &&
+                ready.numel() == (int64_t)st_->bucket_of.size(), "ready: one byte per parameter");
+    TORCH_CHECK(pending.size() == st_->pending.size() && native.size() == st_->native.size());
+    st_->ready_owner = ready;
+    st_->ready = ready.data_ptr<uint8_t>();
+    st_->pending = std::move(pending);
+    st_->native = std::move(native);
+    st_->enabled = true;
+  }
+
+  // mark parameter ``i`` of a native bucket from Python; whether its bucket is complete
+  bool mark(int64_t i) {
+    State& s = *st_;
+    s.ready[i] = 1;
+    return --s.pending[s.bucket_of[i]] == 0;
+  }
+
+  // the pass ends: the counts left
+  std::vector<int32_t> end() {
+    st_->enabled = false;
+    st_->ready = nullptr;
+    st_->ready_owner = at::Tensor();
+    return st_->pending;
+  }
+
+  bool enabled() const { return st_->enabled; }
+
+ private:
+  std::shared_ptr<State> st_;
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accs_;
+  std::vector<uintptr_t> keys_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // post hooks on a leaf tensor's gradient accumulator (0 without one): tests check that
+  // close() leaves none behind
+  m.def("post_hook_count", [](const at::Tensor& t) -> int64_t {
+    auto acc = torch::autograd::impl::try_get_grad_accumulator(t);
+    return acc ? (int64_t)acc->post_hooks().size() : 0;
+  });
+  py::class_<Hooks>(m, "Hooks")
+      .def(py::init<std::vector<at::Tensor>, py::object, py::object>())
+      .def("layout", &Hooks::layout)
+      .def("remove", &Hooks::remove)
+      .def("begin", &Hooks::begin)
+      .def("mark", &Hooks::mark)
+      .def("end", &Hooks::end)
+      .def_property_readonly("enabled", &Hooks::enabled);
+}
