@@ -127,3 +127,48 @@ def test_unbuildable_extension_falls_back_or_raises(dist_run):
 def test_native_hooks_option_is_checked():
     with pytest.raises(TypeError, match="native_hooks"):
         tribucket.ReducerConfig(native_hooks="yes")
+
+
+def _dropped_model_is_collected(native_hooks):
+    import gc
+    import weakref
+
+    def train_and_drop():
+        model = build("mlp", seed=0)
+        reducer = tribucket.Reducer(model, native_hooks=native_hooks)  # never closed
+        loss_of(model(batch("mlp", dist.get_rank(), 0))).backward()
+        return weakref.ref(model), weakref.ref(reducer._bw)
+
+    model, bw = train_and_drop()
+    gc.collect()
+    return model() is None, bw() is None
+
+
+@pytest.mark.parametrize("native_hooks", [None, False])
+def test_a_dropped_model_and_its_reducer_are_collected(dist_run, native_hooks):
+    """Nothing the hooks hold keeps a model, its gradients' buckets or the process group's
+    users alive once the script drops them (no close() needed)."""
+    for result in dist_run(_dropped_model_is_collected, native_hooks, world_size=2):
+        assert result == (True, True)
+
+
+def _reducer_lives_with_its_model(native_hooks):
+    import gc
+
+    model, ref = build("mlp", seed=0), build("mlp", seed=0)
+    tribucket.Reducer(model, native_hooks=native_hooks)  # the only reference is dropped
+    gc.collect()
+    x = batch("mlp", dist.get_rank(), 0)
+    loss_of(model(x)).backward()
+    loss_of(ref(x)).backward()
+    for p in ref.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    return all(torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+               for a, b in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("native_hooks", [None, False])
+def test_a_reducer_lives_as_long_as_its_model(dist_run, native_hooks):
+    """As DDP's hooks do: dropping the reducer object does not stop the averaging."""
+    assert dist_run(_reducer_lives_with_its_model, native_hooks, world_size=2) == [True, True]

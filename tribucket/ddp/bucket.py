@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import operator
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -58,22 +59,30 @@ class Comm:
 
 
 # ------------------------------------------------------------------ the per-gradient hook
+def _no_reducer() -> None:
+    return None
+
+
 class GradHook:
     """The post-accumulate-grad hook of one parameter: it runs once per gradient, so the
     common case (a synchronised pass already under way, nothing to record) is done here:
     mark the gradient ready and count it down in its bucket.
 
-    Like ``hookcall.HookRef``, it reaches the reducer only while
-    attached, and a copy of the model (``deepcopy``, pickling) gets an inert hook.
+    Like ``hookcall.HookRef``, it reaches the reducer only while attached, and a copy of the
+    model (``deepcopy``, pickling) gets an inert hook. It holds the reducer weakly: the
+    parameter keeps its hooks in a place the garbage collector does not look, so a strong
+    reference would keep a dropped model's reducer (and its buffers) alive for good; the
+    model keeps the reducer alive through its forward hooks instead.
     """
 
-    __slots__ = ("bw", "index")
+    __slots__ = ("ref", "index")
 
     def __init__(self, bw: Any, index: int):
-        self.bw, self.index = bw, index
+        self.ref = _no_reducer if bw is None else weakref.ref(bw)
+        self.index = index
 
     def __call__(self, param: torch.Tensor) -> None:
-        bw = self.bw
+        bw = self.ref()
         if bw is None:
             return
         p = bw.pass_
@@ -84,7 +93,7 @@ class GradHook:
 
     def mark(self, p: Pass) -> None:
         """Mark this parameter's gradient ready in pass ``p`` and count it down."""
-        bw = self.bw
+        bw = self.ref()
         bucket, k = bw.slot[self.index]
         native = bw.native
         if native.on and native.native[bucket.index]:
@@ -102,7 +111,7 @@ class GradHook:
             bucket.send_ready_chunks(p, bw.comm)
 
     def detach(self) -> None:
-        self.bw = None
+        self.ref = _no_reducer
 
     def __deepcopy__(self, memo: dict) -> "GradHook":
         return GradHook(None, self.index)

@@ -17,10 +17,12 @@ makes that an error instead.
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -90,18 +92,13 @@ class NativeHooks:
         self.bw = bw
         self.on = False                        # a pass is counted natively now
         self.native: list[int] = []            # per bucket: 1 if counted natively
-        self.hooks = module.Hooks(params, self._complete, self._fallback)
+        # C++ holds the callbacks where the garbage collector cannot see them: they reach
+        # this object through a weak reference, so a dropped model's reducer is collected
+        ref = weakref.ref(self)
+        self.hooks = module.Hooks(params, functools.partial(_complete, ref),
+                                  functools.partial(_fallback, ref))
         if bw.allocated:
             self.layout(bw.buckets, bw.slot)
-
-    def _fallback(self, index: int) -> None:
-        self.bw.grad_hooks[index](None)
-
-    def _complete(self, b: int) -> None:
-        bw = self.bw
-        bucket = bw.buckets[b]
-        bucket.pending = 0
-        bw.bucket_complete(bw.pass_, bucket)
 
     def layout(self, buckets: list, slot: list) -> None:
         """The buckets of a new layout (no pass under way)."""
@@ -132,6 +129,21 @@ class NativeHooks:
     def remove(self) -> None:
         """Take the hooks off the parameters (``close()``)."""
         self.hooks.remove()
+
+
+def _fallback(ref, index: int) -> None:
+    self = ref()
+    if self is not None:
+        self.bw.grad_hooks[index](None)
+
+
+def _complete(ref, b: int) -> None:
+    self = ref()
+    if self is not None:
+        bw = self.bw
+        bucket = bw.buckets[b]
+        bucket.pending = 0
+        bw.bucket_complete(bw.pass_, bucket)
 
 
 class _NoNative:

@@ -22,6 +22,7 @@ struct State {
   uint8_t* ready = nullptr;          // per parameter: the pass's ready flags (Python's bytearray)
   at::Tensor ready_owner;            // keeps that buffer alive
   bool enabled = false;              // a pass whose native buckets are counted here
+  std::atomic<bool> detached{false}; // the reducer is gone: the hook does nothing
   py::object on_complete;            // on_complete(bucket): a native bucket's count reached 0
   py::object fallback;               // fallback(param): every other gradient
 };
@@ -43,6 +44,9 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
 
   variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
     State& s = *st;
+    if (s.detached.load(std::memory_order_relaxed)) {
+      return outputs;
+    }
     if (s.enabled && !s.ready[index]) {
       const int32_t b = s.bucket_of[index];
       if (s.native[b]) {
@@ -74,16 +78,29 @@ class Hooks {
       accs_.push_back(std::move(acc));
     }
   }
-  ~Hooks() { remove(); }
+  // Garbage collection of the reducer (possibly from inside a hook, during backward): the
+  // hooks stay on the accumulators, inert, and go with them; erasing them here could pull
+  // them from under the engine while it runs them.
+  ~Hooks() { detach(); }
 
+  // close(): take the hooks off the accumulators
   void remove() {
     for (size_t i = 0; i < accs_.size(); ++i) accs_[i]->del_post_hook(keys_[i]);
+    detach();
+  }
+
+  // (with the GIL held: from Python, or by the Python object's deallocation)
+  void detach() {
+    st_->detached = true;
+    st_->enabled = false;
+    st_->ready = nullptr;
+    st_->ready_owner = at::Tensor();  // its storage holds the Python bytearray
     accs_.clear();
     keys_.clear();
-    // (called with the GIL held: from Python, or by the Python object's deallocation)
-    st_->enabled = false;
-    st_->on_complete = py::none();
-    st_->fallback = py::none();
+    // the callbacks are released here, under the GIL, not when the last inert hook dies
+    // (possibly on an autograd thread without it)
+    py::object on_complete = std::move(st_->on_complete);
+    py::object fallback = std::move(st_->fallback);
   }
 
   // the bucket of each parameter (a new layout); no pass may be under way
