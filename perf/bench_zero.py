@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _bench import init_worker, round_robin, spawn  # noqa: E402
+from _bench import close_worker, init_worker, round_robin, spawn  # noqa: E402
 from bench_step import make_model  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -155,11 +155,7 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
                "kept_bytes": {k: max(m[k]["kept"] for m in every) for k in variants}}
         with open(out_path, "w") as f:
             json.dump(out, f)
-    for v in variants.values():
-        if v.reducer is not None:
-            v.reducer.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    close_worker([v.reducer for v in variants.values()])
 
 
 def measure(model_name: str, world: int, rounds: int, warmup: int) -> dict:
