@@ -172,3 +172,61 @@ def _reducer_lives_with_its_model(native_hooks):
 def test_a_reducer_lives_as_long_as_its_model(dist_run, native_hooks):
     """As DDP's hooks do: dropping the reducer object does not stop the averaging."""
     assert dist_run(_reducer_lives_with_its_model, native_hooks, world_size=2) == [True, True]
+
+
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises while ``armed``: a backward that fails after it
+    started (the reducer saw it begin) and before any parameter gradient."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailOnce.armed:
+            raise ValueError("backward failed on purpose")
+        return g
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x):
+        return _FailOnce.apply(self.body(x))
+
+
+def _after_a_failed_backward(native_hooks):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = _Head(build("mlp", seed=0)), _Head(build("mlp", seed=0))
+    errors = []
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, native_hooks=native_hooks):
+        for step in range(5):
+            _FailOnce.armed = step == 2  # after the rebuild: passes are plain
+            try:
+                loss_of(model(batch("mlp", rank, step))).backward()
+            except (ValueError, RuntimeError) as e:
+                errors.append((step, type(e).__name__))
+            finally:
+                _FailOnce.armed = False
+            if step > 2:  # the steps after the failure average as usual
+                loss_of(ref(batch("mlp", rank, step))).backward()
+                for p in ref.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+                if not all(torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+                           for a, b in zip(model.parameters(), ref.parameters())):
+                    errors.append((step, "gradients differ from the average"))
+            model.zero_grad()
+            ref.zero_grad()
+    return errors
+
+
+@pytest.mark.parametrize("native_hooks", [None, False])
+def test_steps_after_a_failed_backward_average(dist_run, native_hooks):
+    for errors in dist_run(_after_a_failed_backward, native_hooks, world_size=2, timeout=60):
+        assert errors == [(2, "ValueError")], errors

@@ -168,7 +168,7 @@ class Backward:
                           and (not cfg.static_graph or self.static_counts is not None))
         # later gradients of this pass take GradHook's short path
         p.plain = self._plain and not p.record_order
-        if p.plain:
+        if p.plain and p is self.pass_:  # (not a pass being settled: it is over)
             self.native.begin(p, self.buckets)
         if cfg.static_graph and self.static_counts is None:
             return
