@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace py = pybind11;
@@ -145,7 +146,10 @@ class Hooks {
 
  private:
   std::shared_ptr<State> st_;
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accs_;
+  // (a shared_ptr in older torch releases, an intrusive_ptr in newer ones: whichever this
+  // torch returns)
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))>
+      accs_;
   std::vector<uintptr_t> keys_;
 };
 
