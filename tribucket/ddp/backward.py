@@ -2,10 +2,10 @@
 
 The path of one gradient: a post hook on its accumulator marks it ready and counts it
 down in its bucket, nothing more in the common case (in C++, ``native.py``; else in Python,
-``bucket.GradHook``, which also takes every other case); when a bucket's count reaches zero and every earlier bucket is launched, the bucket
-(``bucket.py``) is packed in one call (``memory.py`` into ``tribucket.kernels``) and
-communicated; at the end of backward each bucket waits for its result and lends it back as
-``.grad`` views of the averaged buffer.
+``bucket.GradHook``, which also takes every other case); when a bucket's count reaches
+zero and every earlier bucket is launched, the bucket (``bucket.py``) is packed in one call
+(``memory.py`` into ``tribucket.kernels``) and communicated; at the end of backward each
+bucket waits for its result and lends it back as ``.grad`` views of the averaged buffer.
 
 Buckets are launched strictly in bucket order on every rank, so every rank issues the same
 collectives in the same order. The end of backward is an autograd-engine callback, queued

@@ -101,8 +101,7 @@ class NativeHooks:
             self.layout(bw.buckets, bw.slot)
 
     def layout(self, buckets: list, slot: list) -> None:
-        """The buckets of a new layout (no pass under way)."""
-        self.end(buckets)
+        """The buckets of a new layout (no pass under way: C++ refuses one otherwise)."""
         self.native = [int(getattr(b, "native_ok", False)) for b in buckets]
         self.hooks.layout([bucket.index for bucket, _ in slot], len(buckets))
 

@@ -142,8 +142,6 @@ class Hooks {
     return st_->pending;
   }
 
-  bool enabled() const { return st_->enabled; }
-
  private:
   std::shared_ptr<State> st_;
   // (a shared_ptr in older torch releases, an intrusive_ptr in newer ones: whichever this
@@ -168,6 +166,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("remove", &Hooks::remove)
       .def("begin", &Hooks::begin)
       .def("mark", &Hooks::mark)
-      .def("end", &Hooks::end)
-      .def_property_readonly("enabled", &Hooks::enabled);
+      .def("end", &Hooks::end);
 }
