@@ -7,9 +7,16 @@ runs forward, backward, ``clip_grad_norm_(max_norm=1.0)`` and an AdamW step:
 * ``DDP + torch clip``        DDP, ``torch.nn.utils.clip_grad_norm_`` (the baseline)
 * ``tribucket + torch clip``  the reducer, torch's clip (what the reducer alone changes)
 * ``tribucket + fused clip``  the reducer, ``tribucket.clip_grad_norm_`` (the reducer's norm)
-* ``tribucket + fused clip, clipping``  the same with ``max_norm=1e-3``: the clip multiply
-  runs every step (with ``max_norm=1.0`` it is skipped on the CPU when the norm is below it;
-  torch's clip multiplies either way)
+* ``DDP + torch clip, clipping`` / ``tribucket + fused clip, clipping``  the same two with
+  ``max_norm=1e-3``: the clip multiply runs every step (with ``max_norm=1.0`` it is skipped on
+  the CPU when the norm is below it; torch's clip multiplies either way). Compared with each
+  other: gradients clipped this small make the AdamW step itself slower (tiny squares)
+* ``bound: 1 allreduce + 1 read``  no reducer: backward, one allreduce of a flat buffer the
+  size of the gradients (as if autograd had written them there: no copy, no hook), one read
+  of it for the norm, the AdamW step. What any data-parallel step with a norm must do at
+  least on this transport, run without overlap (overlapping the allreduce with backward, as
+  DDP does, is slower on this 2-core machine: see perf/bench_step.py's chunked variant); its
+  ratio to the baseline is the best a reducer could show here
 * ``DDP + GradScaler``        the same with ``torch.amp.GradScaler``: scale, unscale_, clip, step
 * ``tribucket + GradScaler``  ``tribucket.amp.GradScaler`` (the reducer's inf flag) and
   ``tribucket.clip_grad_norm_``
@@ -48,11 +55,14 @@ from bench_step import make_model  # noqa: E402 - the models of the step bench
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 NAME = "epilogue"
-VARIANTS = ["DDP + torch clip", "tribucket + torch clip", "tribucket + fused clip",
-            "tribucket + fused clip, clipping", "DDP + GradScaler", "tribucket + GradScaler"]
+BOUND = "bound: 1 allreduce + 1 read"
+VARIANTS = ["DDP + torch clip", "tribucket + torch clip", "tribucket + fused clip", BOUND,
+            "DDP + torch clip, clipping", "tribucket + fused clip, clipping", "DDP + GradScaler",
+            "tribucket + GradScaler"]
 BASELINE = {"tribucket + torch clip": "DDP + torch clip",
             "tribucket + fused clip": "DDP + torch clip",
-            "tribucket + fused clip, clipping": "DDP + torch clip",
+            "tribucket + fused clip, clipping": "DDP + torch clip, clipping",
+            BOUND: "DDP + torch clip",
             "tribucket + GradScaler": "DDP + GradScaler"}
 MAX_NORM = 1.0
 MAX_NORM_CLIPPING = 1e-3  # below every gradient norm of these models: always clips
@@ -69,7 +79,8 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
     for name in VARIANTS:
         model, x = make_model(model_name)
         reducer = tribucket.Reducer(model) if name.startswith("tribucket") else None
-        forward = model if reducer is not None else nn.parallel.DistributedDataParallel(model)
+        forward = (model if reducer is not None or name == BOUND
+                   else nn.parallel.DistributedDataParallel(model))
         scaler = None
         if name.endswith("GradScaler"):
             cls = tribucket.amp.GradScaler if reducer is not None else torch.amp.GradScaler
@@ -80,13 +91,21 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         steps[name] = (model, forward, opt, reducer, scaler, clip, max_norm)
     x = x + rank  # different data per rank
+    flat = torch.zeros(sum(p.numel() for p in steps[BOUND][0].parameters()))  # BOUND's
 
     def run(name) -> tuple[float, float]:
         """One step; returns the norm and the seconds of unscale_ + clip (what differs)."""
         model, forward, opt, _, scaler, clip, max_norm = steps[name]
         opt.zero_grad(set_to_none=True)
         loss = forward(x).float().square().mean()
-        if scaler is None:
+        if name == BOUND:
+            loss.backward()
+            dist.all_reduce(flat)
+            t = time.perf_counter()
+            norm = torch.linalg.vector_norm(flat)  # the norm's one read; nothing to clip
+            t = time.perf_counter() - t
+            opt.step()
+        elif scaler is None:
             loss.backward()
             t = time.perf_counter()
             norm = clip(model.parameters(), max_norm)
@@ -158,7 +177,7 @@ def table(results: list[dict], meta: dict) -> str:
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for res in results:
         med = res["median_s"]
-        for v in VARIANTS:
+        for v in (v for v in VARIANTS if v in res["all_s"]):
             lo, hi = _quartiles(res["all_s"][v])
             if v in BASELINE:
                 r, rlo, rhi = _paired_ratio(res, v)
@@ -177,12 +196,16 @@ def table(results: list[dict], meta: dict) -> str:
                 ratio = _paired_ratio(res, v)[0]
                 verdicts.append(f"{m} {v} <= {limit:.2f}x {BASELINE[v]}: {ratio:.2f}x, "
                                 f"{'met' if ratio <= limit else 'NOT met'}")
+        if BOUND in res["all_s"]:
+            verdicts.append(f"{res['model']} {BOUND} (the least a reducer can take here): "
+                            f"{_paired_ratio(res, BOUND)[0]:.2f}x {BASELINE[BOUND]}")
     lines.append("Target: " + "; ".join(verdicts) + ".")
     return "\n".join(lines)
 
 
 def plot(results: list[dict], path: pathlib.Path) -> None:
-    colors = ["#d62728", "#aec7e8", "#1f77b4", "#08519c", "#ff9896", "#6baed6"]
+    colors = ["#d62728", "#aec7e8", "#1f77b4", "#7f7f7f", "#e377c2", "#08519c", "#ff9896",
+              "#6baed6"]
     bar_plot(results, VARIANTS, colors, "{model}: backward + clip + AdamW, 2 gloo ranks", path)
 
 
@@ -196,7 +219,7 @@ def write(data: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="mlp,transformer")
-    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--render", action="store_true",
                    help=f"re-make {NAME}.md and {NAME}.png from {NAME}.json without measuring")

@@ -28,6 +28,7 @@ gradients and keeps them fresh (the norm scales with the factor, the flag stays)
 
 from __future__ import annotations
 
+import collections
 import operator
 import weakref
 from typing import Iterable, Sequence
@@ -38,8 +39,7 @@ from .kernels.pack import norms_fp32
 
 _grad_of = operator.attrgetter("grad")
 
-__all__ = ["Epilogue", "reducer_clip_with_norm_", "reducer_found_inf_for", "reducer_norm_for",
-           "reducer_scale_"]
+__all__ = ["Cover", "Epilogue", "cover"]
 
 _LIVE: "weakref.WeakSet[Epilogue]" = weakref.WeakSet()  # epilogues of attached reducers
 
@@ -81,7 +81,7 @@ class _Record:
     of every backward whether or not anything reads it. Otherwise: a weak reference and a
     version per gradient."""
 
-    __slots__ = ("views", "version", "refs", "versions", "norm", "flag")
+    __slots__ = ("views", "version", "refs", "versions", "n_grads", "norm", "flag")
 
     def __init__(self, grads: list | None, views: tuple | None = None):
         self.views = views
@@ -90,6 +90,8 @@ class _Record:
         if views is None:
             self.refs = [None if g is None else weakref.ref(g) for g in grads]
             self.versions = [0 if g is None else g._version for g in grads]
+        # how many of the bucket's parameters have a gradient while the record is current
+        self.n_grads = len(views) if views is not None else sum(r is not None for r in self.refs)
         self.norm: torch.Tensor | None = None  # 0-dim float32, computed on demand
         self.flag: torch.Tensor | None = None  # 0-dim float32: 1.0 = some value inf/NaN
 
@@ -218,23 +220,21 @@ class Epilogue:
             return torch.zeros((), device=self.device)
         return torch.linalg.vector_norm(torch.stack(norms))
 
-    def covering(self, params: Iterable[torch.Tensor]) -> list[int] | None:
-        """The buckets whose figures describe exactly the gradients of ``params``, all fresh;
-        None when some parameter is not this reducer's, or a bucket is only partly given,
-        or not fresh. Parameters without a gradient are ignored (as torch's clipping does)."""
-        given = {id(q) for q in params if q.grad is not None}
-        buckets = set()
-        for i in given:
-            b = self.bucket_of.get(i)
-            if b is None:
+    def covering(self, ids: set[int]) -> list[int] | None:
+        """The buckets whose figures describe exactly the gradients of the parameters whose
+        ``id`` is in ``ids`` (each with a gradient), all fresh; None when one is not this
+        reducer's, or a bucket is only partly given, or not fresh.
+
+        A fresh bucket's parameters with a gradient are the record's (``n_grads`` of them),
+        so a bucket is given whole when that many of ``ids`` are its parameters."""
+        counts = collections.Counter(map(self.bucket_of.get, ids))
+        if None in counts:
+            return None
+        for b, n in counts.items():
+            rec = self.fresh(b) if self.mems[b] is not None else None
+            if rec is None or rec.n_grads != n:
                 return None
-            buckets.add(b)
-        for b in buckets:
-            if any(q.grad is not None and id(q) not in given for q in self.params[b]):
-                return None
-            if self.mems[b] is None or self.fresh(b) is None:
-                return None
-        return sorted(buckets)
+        return sorted(counts)
 
     def scale_(self, buckets: list[int], factor: torch.Tensor) -> None:
         """Multiply the gradients of fresh ``buckets`` by ``factor`` (0-dim tensor, or float)
@@ -266,80 +266,64 @@ class Epilogue:
 # ---------------------------------------------------------------------------------------
 # Lookups across the live reducers (for clip_grad_norm_ and the GradScaler)
 # ---------------------------------------------------------------------------------------
-def _cover(params: Sequence[torch.Tensor]) -> list[tuple[Epilogue, list[int]]] | None:
-    """``[(epilogue, buckets)]`` whose fresh figures cover exactly ``params``' gradients."""
-    params = [q for q in params if q.grad is not None]
-    if not params:
-        return None
-    owned: dict[Epilogue, list] = {}
-    live = list(_LIVE)
-    for q in params:
-        for epi in live:
-            if id(q) in epi.bucket_of:
-                owned.setdefault(epi, []).append(q)
-                break
-        else:
-            return None  # not a live reducer's parameter (expert-parallel, ignored, ...)
-    out = []
-    for epi, ps in owned.items():
-        buckets = epi.covering(ps)
-        if buckets is None:
-            return None
-        out.append((epi, buckets))
-    return out
+class Cover:
+    """Fresh figures of the live reducers that describe exactly the gradients of a set of
+    parameters: ``parts`` is ``[(epilogue, buckets)]``. Found once per call of
+    ``clip_grad_norm_`` or ``unscale_`` (see :func:`cover`) and then used for the norm, the
+    flag and the multiply."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[tuple[Epilogue, list[int]]]):
+        self.parts = parts
+
+    def norm(self) -> torch.Tensor:
+        """The total 2-norm of the gradients (0-dim float32)."""
+        norms = [epi.figures(b)[0] for epi, buckets in self.parts for b in buckets]
+        return torch.linalg.vector_norm(torch.stack(norms))
+
+    def found_inf(self) -> torch.Tensor:
+        """1.0/0.0 (0-dim float32): whether a gradient is inf/NaN."""
+        flags = [epi.figures(b)[1] for epi, buckets in self.parts for b in buckets]
+        return torch.stack(flags).amax()
+
+    def scale_(self, factor) -> None:
+        """Multiply the gradients by ``factor`` through the buckets (one op per lent
+        bucket), keeping their figures fresh."""
+        for epi, buckets in self.parts:
+            epi.scale_(buckets, factor)
+
+    def clip_with_norm_(self, max_norm: float, total: torch.Tensor) -> None:
+        """``torch.nn.utils.clip_grads_with_norm_`` on the gradients: torch's coefficient
+        ``min(max_norm / (total + 1e-6), 1)``, one multiply per lent bucket, skipped on the
+        CPU when the coefficient is 1 (a multiply by 1 changes nothing; on other devices it
+        runs, as in torch, to avoid a host sync). ``total`` may be larger than these
+        gradients' own norm (expert-parallel parameters counted in it, clipped by the
+        caller)."""
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        if total.device.type != "cpu" or bool(coef < 1.0):
+            self.scale_(coef)
 
 
-def reducer_norm_for(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
-    """The total 2-norm of ``params``' gradients from the reducers' epilogue, or None.
+def cover(params: Iterable[torch.Tensor]) -> Cover | None:
+    """The live reducers' figures for ``params``' gradients, or None.
 
     None unless every parameter with a gradient is owned by a live reducer, the buckets it
     belongs to are given whole, and their gradients are unchanged since the reducer finished
-    them (or changed only through :func:`reducer_scale_`). Then no pass over the gradients
-    is needed beyond the epilogue's (see the module docstring).
+    them (or changed only through :meth:`Cover.scale_`). Then no pass over the gradients is
+    needed beyond the epilogue's (see the module docstring).
     """
-    cover = _cover(list(params))
-    if cover is None:
+    rest = {id(q) for q in params if q.grad is not None}
+    if not rest:
         return None
-    norms = [epi.figures(b)[0] for epi, buckets in cover for b in buckets]
-    return torch.linalg.vector_norm(torch.stack(norms))
-
-
-def reducer_found_inf_for(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
-    """1.0/0.0 (0-dim float32): whether a gradient of ``params`` is inf/NaN, from the
-    reducers' epilogue; None under the conditions of :func:`reducer_norm_for`."""
-    cover = _cover(list(params))
-    if cover is None:
-        return None
-    flags = [epi.figures(b)[1] for epi, buckets in cover for b in buckets]
-    return torch.stack(flags).amax()
-
-
-def reducer_scale_(params: Iterable[torch.Tensor], factor) -> bool:
-    """Multiply ``params``' gradients by ``factor`` through the reducers' buckets (one op per
-    lent bucket), keeping their figures fresh. False (nothing done) when not covered."""
-    cover = _cover(list(params))
-    if cover is None:
-        return False
-    for epi, buckets in cover:
-        epi.scale_(buckets, factor)
-    return True
-
-
-def reducer_clip_with_norm_(params: Sequence[torch.Tensor], max_norm: float,
-                            total: torch.Tensor) -> bool:
-    """``torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)`` through the
-    reducers' buckets: torch's coefficient ``min(max_norm / (total + 1e-6), 1)``, one multiply
-    per lent bucket, skipped on the CPU when the coefficient is 1 (a multiply by 1 changes
-    nothing; on other devices it runs, as in torch, to avoid a host sync). False (nothing
-    done) when ``params`` are not covered (see :func:`reducer_norm_for`).
-
-    ``total`` may be larger than ``params``' own norm (expert-parallel parameters counted in
-    it and clipped by the caller).
-    """
-    params = list(params)
-    if _cover(params) is None:
-        return False
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    if total.device.type != "cpu" or bool(coef < 1.0):
-        reducer_scale_(params, coef)
-    return True
+    parts = []
+    for epi in list(_LIVE):
+        mine = rest & epi.bucket_of.keys()
+        if not mine:
+            continue
+        buckets = epi.covering(mine)
+        if buckets is None:
+            return None
+        parts.append((epi, buckets))
+        rest -= mine
+    return Cover(parts) if not rest else None  # the rest: expert-parallel, ignored, ...

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ._epilogue import reducer_found_inf_for, reducer_scale_
+from ._epilogue import cover
 
 __all__ = ["GradScaler"]
 
@@ -59,21 +59,23 @@ class GradScaler(torch.amp.GradScaler):
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                         found_inf: torch.Tensor, allow_fp16: bool) -> dict:
         params = _grad_params(optimizer)
-        flag = reducer_found_inf_for(params) if params is not None else None
-        if flag is None:
+        figures = cover(params) if params is not None else None
+        if figures is None:
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        flag = figures.found_inf()
         device = params[0].grad.device
         with torch.no_grad():
-            reducer_scale_(params, inv_scale.to(device))
+            figures.scale_(inv_scale.to(device))
         return {device: flag.to(device=device, dtype=torch.float32).reshape(found_inf.shape)}
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # step() without unscale_ for optimizers that unscale themselves (fused Adam...):
         # torch scans with a multiplier of 1; the reducer's flag makes that pass unneeded
         params = _grad_params(optimizer)
-        flag = reducer_found_inf_for(params) if params is not None else None
-        if flag is None:
+        figures = cover(params) if params is not None else None
+        if figures is None:
             return super()._check_inf_per_device(optimizer)
+        flag = figures.found_inf()
         device = params[0].grad.device
         found = {device: flag.to(device=device, dtype=torch.float32).reshape(())}
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found

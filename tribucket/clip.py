@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._epilogue import reducer_clip_with_norm_, reducer_norm_for
+from ._epilogue import cover
 from ._tags import expert_group, is_expert_parallel
 
 __all__ = ["clip_grad_norm_"]
@@ -64,17 +64,18 @@ def clip_grad_norm_(parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor
                          "Euclidean norm)")
     if not params:
         return torch.tensor(0.0)
-    dense = [q for q in params if not is_expert_parallel(q)]
-    groups: dict[int, tuple] = {}  # id(EP group) -> (group, its parameters), in model order
+    dense, experts = [], []
     for q in params:
-        if is_expert_parallel(q):
-            g = expert_group(q)
-            groups.setdefault(id(g), (g, []))[1].append(q)
+        (experts if is_expert_parallel(q) else dense).append(q)
+    groups: dict[int, tuple] = {}  # id(EP group) -> (group, its parameters), in model order
+    for q in experts:
+        g = expert_group(q)
+        groups.setdefault(id(g), (g, []))[1].append(q)
     device = params[0].grad.device
     # the dense gradients' norm from the reducers' epilogue when it describes them exactly
     # (norm 2, whole buckets, unchanged since backward): no pass over them
-    fast = reducer_norm_for(dense) if p_norm == 2.0 and dense else None
-    partials = [fast.square() if fast is not None
+    fast = cover(dense) if p_norm == 2.0 and dense else None
+    partials = [fast.norm().square() if fast is not None
                 else _partial(dense, p_norm, foreach, device)]
     partials += [_group_partial(_partial(qs, p_norm, foreach, device), g)
                  for g, qs in groups.values()]
@@ -84,8 +85,8 @@ def clip_grad_norm_(parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}) "
             "on every rank, so they cannot be clipped; pass error_if_nonfinite=False to skip "
             "this check")
-    if fast is not None and reducer_clip_with_norm_(dense, max_norm, total):
-        experts = [q for q in params if is_expert_parallel(q)]  # dense: one op per bucket
+    if fast is not None:
+        fast.clip_with_norm_(max_norm, total)  # dense: one op per bucket
         if experts:
             torch.nn.utils.clip_grads_with_norm_(experts, max_norm, total, foreach=foreach)
     else:
