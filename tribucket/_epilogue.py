@@ -81,7 +81,7 @@ class _Record:
     of every backward whether or not anything reads it. Otherwise: a weak reference and a
     version per gradient."""
 
-    __slots__ = ("views", "version", "refs", "versions", "n_grads", "norm", "flag")
+    __slots__ = ("views", "version", "refs", "versions", "norm", "flag")
 
     def __init__(self, grads: list | None, views: tuple | None = None):
         self.views = views
@@ -90,8 +90,6 @@ class _Record:
         if views is None:
             self.refs = [None if g is None else weakref.ref(g) for g in grads]
             self.versions = [0 if g is None else g._version for g in grads]
-        # how many of the bucket's parameters have a gradient while the record is current
-        self.n_grads = len(views) if views is not None else sum(r is not None for r in self.refs)
         self.norm: torch.Tensor | None = None  # 0-dim float32, computed on demand
         self.flag: torch.Tensor | None = None  # 0-dim float32: 1.0 = some value inf/NaN
 
@@ -109,6 +107,12 @@ class _Record:
             elif g is None or g is not ref() or g._version != v:
                 return False
         return True
+
+    def grad_count(self) -> int:
+        """How many of the bucket's parameters have a gradient while the record is current
+        (counted when asked: records are taken every backward, read only by the users)."""
+        return len(self.views) if self.views is not None else sum(r is not None
+                                                                   for r in self.refs)
 
     def update_versions(self, params: list[torch.Tensor]) -> None:
         """The recorded gradients were changed in place by the reducer (scaled): still the
@@ -225,14 +229,14 @@ class Epilogue:
         ``id`` is in ``ids`` (each with a gradient), all fresh; None when one is not this
         reducer's, or a bucket is only partly given, or not fresh.
 
-        A fresh bucket's parameters with a gradient are the record's (``n_grads`` of them),
+        A fresh bucket's parameters with a gradient are the record's (``grad_count()``),
         so a bucket is given whole when that many of ``ids`` are its parameters."""
         counts = collections.Counter(map(self.bucket_of.get, ids))
         if None in counts:
             return None
         for b, n in counts.items():
             rec = self.fresh(b) if self.mems[b] is not None else None
-            if rec is None or rec.n_grads != n:
+            if rec is None or rec.grad_count() != n:
                 return None
         return sorted(counts)
 
