@@ -12,9 +12,12 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo ">> installing $(TORCH_PIN) (CPU build) first, then tribucket[test,perf]"
+	@echo ">> installing $(TORCH_PIN) (CPU build) first, then tribucket[test,perf,integrations]"
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,perf]'
+	@# the real-model suite's libraries, after torch; naming $(TORCH_PIN) again in the same
+	@# command makes pip keep it (a dependency asking for another torch fails the install)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[integrations]' $(TORCH_PIN)
 	@touch $(STAMP)
 
 # The demo relaunches itself as .venv/bin/torchrun --standalone --nproc-per-node 2 (gloo on

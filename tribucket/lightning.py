@@ -1,0 +1,325 @@
+"""tribucket under PyTorch Lightning and Lightning Fabric: ``strategy="tribucket"``.
+
+Importing this module registers the name ``"tribucket"`` (and ``"tribucket_find_unused_parameters_true"``,
+``"tribucket_spawn"``) with Lightning's and Fabric's strategy registries, so that::
+
+    import tribucket.lightning                      # registers the strategies
+    trainer = L.Trainer(strategy="tribucket", accelerator="cpu", devices=2)
+    fabric = L.Fabric(strategy="tribucket", accelerator="cpu", devices=2)
+
+train as ``strategy="ddp"`` does, with :func:`tribucket.fused_bucketing` averaging the
+gradients. An instance takes its options: ``FusedBucketingStrategy(hook="fp16",
+bucket_cap_mb=5, find_unused_parameters=True)`` (``FusedBucketingFabricStrategy`` for Fabric).
+
+The strategies follow Lightning's ``DDPStrategy`` (same launchers, process group, samplers,
+collectives); what changes is the wrapper. The reducer attaches to a thin module around the
+LightningModule, as DDP's wrapper does, so Lightning's calls to ``training_step`` go through
+it (the reducer's forward hooks see each training step) and the LightningModule's own
+``self(x)`` calls do not. Lightning's DDP habits map onto the reducer:
+
+* ``accumulate_grad_batches`` / ``fabric.no_backward_sync``: ``reducer.no_sync()``;
+* ``gradient_clip_val`` (norm) / ``fabric.clip_gradients``: :func:`tribucket.clip_grad_norm_`;
+* ``precision="16-mixed"``: :class:`tribucket.amp.GradScaler` (the reducer's ``found_inf``
+  instead of the scaler's scan); ``"bf16-mixed"`` needs no scaler;
+* checkpoints: the LightningModule's ``state_dict`` as with DDP (no prefix), plus the
+  reducer's state under ``"tribucket"``, restored by ``ckpt_path=`` resumes.
+
+Lightning is imported here only; ``import tribucket`` does not need it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+try:
+    import lightning.fabric as _lf
+    import lightning.pytorch as _pl
+except ImportError as e:  # pragma: no cover - exercised without lightning installed
+    raise ImportError("tribucket.lightning needs Lightning: pip install 'lightning>=2.4' "
+                      f"(or tribucket[integrations]); importing it failed: {e}") from e
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision.amp import MixedPrecision as _FabricMixed
+from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_REGISTRY
+from lightning.fabric.strategies import DDPStrategy as _FabricDDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.pytorch.plugins.precision import MixedPrecision as _PLMixed
+from lightning.pytorch.plugins.precision import Precision as _PLPrecision
+from lightning.pytorch.strategies import DDPStrategy as _PLDDPStrategy
+from lightning.pytorch.strategies import StrategyRegistry as _PL_REGISTRY
+from lightning.pytorch.trainer.states import TrainerFn
+
+from . import hooks as _hooks
+from .amp import GradScaler
+from .clip import clip_grad_norm_
+from .config import ReducerConfig
+from .ddp import Reducer
+
+__all__ = ["FusedBucketingStrategy", "FusedBucketingFabricStrategy", "CHECKPOINT_KEY"]
+
+#: where the reducer's state goes in a Lightning checkpoint
+CHECKPOINT_KEY = "tribucket"
+
+_HOOKS = {None: None, "allreduce": _hooks.allreduce_hook, "fp16": _hooks.fp16_compress_hook,
+          "bf16": _hooks.bf16_compress_hook}
+
+
+def _resolve_hook(hook: str | Callable | None) -> Callable | None:
+    if hook is None or callable(hook):
+        return hook
+    if hook not in _HOOKS:
+        raise ValueError(f"hook={hook!r} is not one of {sorted(k for k in _HOOKS if k)}; pass "
+                         "one of those names, None (the default averaging) or a comm hook "
+                         "callable hook(state, bucket) -> Future")
+    return _HOOKS[hook]
+
+
+def _options(hook, hook_state, options: dict) -> tuple[Callable | None, Any, dict]:
+    """Validate the reducer options once, where the strategy is built (every rank)."""
+    ReducerConfig(**options)  # raises ValueError/TypeError naming a bad option and its value
+    return _resolve_hook(hook), hook_state, options
+
+
+class _Wrapper(nn.Module):
+    """What the reducer attaches to: ``forward`` is the wrapped module's (Lightning redirects
+    ``training_step`` through it, as through DDP's wrapper)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def _attach(module: nn.Module, process_group, hook, hook_state, options: dict) -> tuple[_Wrapper, Reducer]:
+    wrapper = _Wrapper(module)
+    reducer = Reducer(wrapper, process_group, **options)
+    if hook is not None:
+        reducer.register_comm_hook(hook_state, hook)
+    return wrapper, reducer
+
+
+def _fused_scaler(scaler: torch.amp.GradScaler, device: str) -> torch.amp.GradScaler:
+    """A :class:`tribucket.amp.GradScaler` in place of torch's (same settings and state);
+    another scaler class (a user's own) is kept."""
+    if type(scaler) is not torch.amp.GradScaler:
+        return scaler
+    fused = GradScaler(device, init_scale=scaler._init_scale, growth_factor=scaler._growth_factor,
+                       backoff_factor=scaler._backoff_factor,
+                       growth_interval=scaler._growth_interval, enabled=scaler.is_enabled())
+    fused.load_state_dict(scaler.state_dict())
+    return fused
+
+
+# ------------------------------------------------------------------------ Lightning Trainer
+class _FusedClip:
+    """Gradient clipping by norm with :func:`tribucket.clip_grad_norm_` (the norm from the
+    reducer's buckets where they hold the gradients unchanged, torch's computation otherwise)."""
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        clip_grad_norm_(self.main_params(optimizer), clip_val)
+
+
+class _Precision(_FusedClip, _PLPrecision):
+    """``precision="32-true"`` with the fused clip."""
+
+
+class _MixedPrecision(_FusedClip, _PLMixed):
+    """``precision="16-mixed"``/``"bf16-mixed"`` with the fused clip and, for fp16, the
+    reducer's ``found_inf`` in the scaler."""
+
+
+def _fused_precision(plugin):
+    """The precision plugin with tribucket's clip and scaler, for the plugins that have them
+    (32-true, 16-mixed, bf16-mixed); any other plugin is used as it is."""
+    if type(plugin) is _PLPrecision:
+        return _Precision()
+    if type(plugin) is _PLMixed:
+        scaler = None if plugin.scaler is None else _fused_scaler(plugin.scaler, plugin.device)
+        return _MixedPrecision(plugin.precision, plugin.device, scaler=scaler)
+    return plugin
+
+
+class FusedBucketingStrategy(_PLDDPStrategy):
+    """Lightning's DDP strategy with :func:`tribucket.fused_bucketing` in place of
+    ``DistributedDataParallel``.
+
+    ``Trainer(strategy="tribucket")`` is this class with its defaults. Arguments:
+
+    * ``hook``: ``None`` (averaging allreduce), ``"fp16"``/``"bf16"`` (fused compression),
+      ``"allreduce"``, or any comm hook callable (torch's contract), with ``hook_state``;
+    * ``**options``: :func:`tribucket.fused_bucketing`'s (``bucket_cap_mb``,
+      ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``, ...);
+    * ``process_group_backend``, ``timeout``, ``start_method``: as ``DDPStrategy``'s.
+
+    Example::
+
+        trainer = L.Trainer(strategy=FusedBucketingStrategy(hook="fp16", bucket_cap_mb=5),
+                            accelerator="cpu", devices=2)
+    """
+
+    def __init__(self, hook: str | Callable | None = None, hook_state: Any = None, *,
+                 accelerator=None, parallel_devices=None, cluster_environment=None,
+                 checkpoint_io=None, precision_plugin=None, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout, start_method: str = "popen",
+                 **options: Any) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin,
+                         process_group_backend=process_group_backend, timeout=timeout,
+                         start_method=start_method)
+        self._hook, self._hook_state, self._options = _options(hook, hook_state, options)
+        self.reducer: Reducer | None = None  #: the reducer while fitting
+        self._restored: dict | None = None  # reducer state read from ckpt_path
+
+    # -- wrapping: the reducer instead of DistributedDataParallel
+    def setup(self, trainer: "_pl.Trainer") -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.precision_plugin = _fused_precision(self.precision_plugin)
+        super().setup(trainer)
+
+    def configure_ddp(self) -> None:
+        assert isinstance(self.model, _pl.LightningModule)
+        self.model, self.reducer = _attach(self.model, None, self._hook, self._hook_state,
+                                           self._options)
+        if self._restored is not None:
+            self.reducer.load_state_dict(self._restored)
+            self._restored = None
+
+    def _register_ddp_hooks(self) -> None:
+        pass  # the comm hook is registered with the reducer in configure_ddp
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        if self.reducer is None:
+            yield
+        else:
+            with self.reducer.no_sync():
+                yield
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        pass  # the reducer's hooks see every backward; nothing to prepare (manual optimization too)
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        pass
+
+    def teardown(self) -> None:
+        reducer, self.reducer = self.reducer, None
+        if isinstance(self.model, _Wrapper):
+            self.model = self.model.module
+        if reducer is not None:
+            reducer.close()
+        super().teardown()
+
+    # -- checkpoints: the reducer's state beside the module's
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        if self.reducer is not None and "optimizer_states" in checkpoint:  # not weights_only
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: self.reducer.state_dict()}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._restored = checkpoint.get(CHECKPOINT_KEY)
+        return checkpoint
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register("tribucket", cls, description="tribucket.fused_bucketing "
+                                   "in place of DDP, processes started as strategy='ddp' does",
+                                   override=True)
+        strategy_registry.register("tribucket_spawn", cls, description="tribucket, processes "
+                                   "started as strategy='ddp_spawn' does", start_method="spawn",
+                                   override=True)
+        strategy_registry.register("tribucket_find_unused_parameters_true", cls,
+                                   description="tribucket with find_unused_parameters=True",
+                                   find_unused_parameters=True, override=True)
+
+
+# ------------------------------------------------------------------------ Lightning Fabric
+class _FabricNoSync(_BackwardSyncControl):
+    def no_backward_sync(self, module: nn.Module, enabled: bool):
+        if not enabled:
+            return contextlib.nullcontext()
+        reducer = getattr(module, "_tribucket_reducer", None)
+        if reducer is None:
+            raise TypeError("no_backward_sync needs the module returned by fabric.setup() under "
+                            f"strategy='tribucket'; got {type(module).__name__}")
+        return reducer.no_sync()
+
+
+class FusedBucketingFabricStrategy(_FabricDDPStrategy):
+    """Fabric's DDP strategy with :func:`tribucket.fused_bucketing` in place of
+    ``DistributedDataParallel``; the arguments of :class:`FusedBucketingStrategy`.
+
+    ``fabric.setup(model)`` attaches a reducer (``strategy.reducers[-1]``),
+    ``fabric.no_backward_sync(model)`` is its ``no_sync()``, ``fabric.clip_gradients(...,
+    max_norm=...)`` is :func:`tribucket.clip_grad_norm_`, and ``precision="16-mixed"`` uses
+    :class:`tribucket.amp.GradScaler`.
+    """
+
+    def __init__(self, hook: str | Callable | None = None, hook_state: Any = None, *,
+                 accelerator=None, parallel_devices=None, cluster_environment=None,
+                 checkpoint_io=None, precision=None, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout, start_method: str = "popen",
+                 **options: Any) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision=precision, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method)
+        self._hook, self._hook_state, self._options = _options(hook, hook_state, options)
+        self._backward_sync_control = _FabricNoSync()
+        self.reducers: list[Reducer] = []  #: one per module set up
+
+    @property
+    def precision(self):
+        return super().precision
+
+    @precision.setter
+    def precision(self, precision) -> None:
+        if type(precision) is _FabricMixed and precision.scaler is not None:
+            precision.scaler = _fused_scaler(precision.scaler, precision.device)
+        _FabricDDPStrategy.precision.fset(self, precision)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        wrapper, reducer = _attach(module, None, self._hook, self._hook_state, self._options)
+        wrapper._tribucket_reducer = reducer
+        self.reducers.append(reducer)
+        return wrapper
+
+    def get_module_state_dict(self, module: nn.Module) -> dict:
+        return super().get_module_state_dict(module.module if isinstance(module, _Wrapper) else module)
+
+    def load_module_state_dict(self, module: nn.Module, state_dict, strict: bool = True) -> None:
+        module = module.module if isinstance(module, _Wrapper) else module
+        super().load_module_state_dict(module=module, state_dict=state_dict, strict=strict)
+
+    def clip_gradients_norm(self, module: nn.Module, optimizer, max_norm, norm_type=2.0,
+                            error_if_nonfinite: bool = True) -> torch.Tensor:
+        self.precision.unscale_gradients(optimizer)
+        return clip_grad_norm_(self.precision.main_params(optimizer), max_norm,
+                               norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
+
+    def teardown(self) -> None:
+        for reducer in self.reducers:
+            reducer.close()
+        self.reducers.clear()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register("tribucket", cls, description="tribucket.fused_bucketing "
+                                   "in place of DDP", override=True)
+        strategy_registry.register("tribucket_spawn", cls, description="tribucket, processes "
+                                   "started as strategy='ddp_spawn' does", start_method="spawn",
+                                   override=True)
+
+
+FusedBucketingStrategy.register_strategies(_PL_REGISTRY)
+FusedBucketingFabricStrategy.register_strategies(_FABRIC_REGISTRY)
+del _lf
