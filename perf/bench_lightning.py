@@ -81,7 +81,7 @@ def _worker(rank: int, world: int, port: int, rounds: int, skip: int, out: str) 
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(
         torch.randint(0, CONFIG["vocab_size"], (world * BATCH * BATCHES, SEQ), generator=g))
-    sampler = torch.utils.data.DistributedSampler(data, shuffle=False)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler)
     per_round: dict[str, list[float]] = {s: [] for s in STRATEGIES}
     steps: dict[str, list[float]] = {s: [] for s in STRATEGIES}
