@@ -203,6 +203,19 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         """Names of the averaged parameters; ``layout`` indices point into this list."""
         return list(self._names)
 
+    def backward_failed(self) -> None:
+        """Call where you catch an error raised by ``backward()`` on this rank, if the error
+        may have come before the backward reached the model (the loss's own backward, out of
+        memory): the reducer issues the collectives that backward owed its peers, with a
+        failure status, so every rank raises for this step and the next step is a clean
+        pass on every rank. A backward that raised inside the model, or in a hook on its
+        output, is settled by the next forward without this call; calling it then (or
+        twice) settles nothing more. Without it a backward that never reached the model
+        leaves this rank one step ahead of its peers."""
+        self._bw.settle_unbegun()
+        for r in self.expert_reducers:
+            r.backward_failed()
+
     @property
     def require_backward_grad_sync(self) -> bool:
         """Whether the next training forward's backward averages gradients (``True``) or
