@@ -121,8 +121,11 @@ class Status:
             "backward, or one more backward than the others, so their gradients would mix "
             "two steps. This backward's gradients were not averaged. Run the same forwards "
             "(in training mode with grad enabled) and backwards on every rank; evaluate under "
-            "torch.no_grad() or model.eval(). debug=True names the first collective that "
-            "differs.")
+            "torch.no_grad() or model.eval(). If a backward raised on one rank before it "
+            "reached the model (an error in the loss's backward, out of memory), call "
+            "reducer.backward_failed() on that rank where you catch the error, so every rank "
+            "reports that step and the next one is in step. debug=True names the first "
+            "collective that differs.")
 
     def raise_problems(self, missing_names: list[str], counts: list[float],
                        errors: list[str]) -> None:
@@ -150,7 +153,13 @@ def second_gradient_error(name: str, found_unused: bool) -> str:
     """The misuse message when parameter ``name`` gets a gradient twice in one pass."""
     if found_unused:
         return (f"parameter {name!r} was found unused after the forward (no path from the "
-                "forward's outputs reaches it) but then received a gradient; compute the "
+                "forward's outputs reaches it) but then received a gradient. The usual cause "
+                "is reentrant activation checkpointing (torch.utils.checkpoint with "
+                "use_reentrant=True, or a Hugging Face model's "
+                "gradient_checkpointing_enable() with use_reentrant=True), which hides the "
+                "checkpointed layers from the forward's graph: pass use_reentrant=False, or "
+                "static_graph=True when the same parameters are used every iteration. "
+                "Otherwise the parameter is used outside the model's forward: compute the "
                 "loss from the model's outputs")
     return (f"parameter {name!r} received a second gradient in the same backward pass. "
             "Causes: the parameter is used in several reentrant backward passes "
