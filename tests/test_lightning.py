@@ -139,7 +139,6 @@ def _fit_both(module_kwargs: dict, trainer_kwargs: dict, tribucket_strategy="tri
         for name, strategy in (("ddp", ddp_strategy), ("tribucket", tribucket_strategy)):
             L.seed_everything(dist.get_rank() + 1, verbose=False)  # different init per rank:
             model = Net(**module_kwargs)                             # both broadcast rank 0's
-            init = {n: p.detach().clone() for n, p in model.named_parameters()}
             kwargs = dict(trainer_kwargs)
             if kwargs.get("plugins") == "16-mixed":  # a fresh scaler for each run
                 kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu")]
@@ -159,7 +158,9 @@ def _fit_both(module_kwargs: dict, trainer_kwargs: dict, tribucket_strategy="tri
         buffers = not module_kwargs.get("manual") or dist.get_rank() == 0
         _assert_same(models["tribucket"], models["ddp"], f"{module_kwargs} {trainer_kwargs}",
                      buffers=buffers)
-        out["moved"] = _moved(models["tribucket"], {n: p for n, p in init.items()})
+        L.seed_everything(0 + 1, verbose=False)  # rank 0's initial weights: both start there
+        out["moved"] = _moved(models["tribucket"], {n: p.detach() for n, p in
+                                                    Net(**module_kwargs).named_parameters()})
         assert isinstance(trainer.strategy, FusedBucketingStrategy)
     return out
 
@@ -236,7 +237,8 @@ def _checkpoint_resume(tmp: str) -> dict:
     straight = Net()
     _trainer("tribucket", os.path.join(tmp, "straight"), max_epochs=2).fit(straight, _loader())
     _assert_same(models["tribucket"], straight, "resumed against uninterrupted")
-    out["moved"] = 1.0
+    L.seed_everything(0 + 1, verbose=False)  # rank 0's initial weights: what training started from
+    out["moved"] = _moved(straight, {n: p.detach() for n, p in Net().named_parameters()})
     return out
 
 
@@ -365,8 +367,10 @@ def _fabric_both(accumulate: int, clip: float | None, precision: str) -> dict:
     ddp = _fabric_run("ddp", accumulate, clip, precision)
     mine = _fabric_run("tribucket", accumulate, clip, precision)
     _assert_same(mine, ddp, f"fabric accumulate={accumulate} clip={clip} {precision}")
-    return {"tribucket_digest": _digest(mine), "ddp_digest": _digest(ddp), "moved": 1.0,
-            "tribucket_steps": 1, "ddp_steps": 1}
+    L.seed_everything(0 + 1, verbose=False)  # rank 0's initial weights: what both started from
+    init = {n: p.detach() for n, p in Net().named_parameters()}
+    return {"tribucket_digest": _digest(mine), "ddp_digest": _digest(ddp),
+            "moved": _moved(mine, init), "tribucket_steps": 1, "ddp_steps": 1}
 
 
 @pytest.mark.dist
