@@ -371,6 +371,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         e = self._bw.finish_in_flight()  # so no peer is left waiting
         for r in self.expert_reducers:
             r._close(raise_errors)
+        self._release()
         if e is None:
             return
         message = (f"tribucket (rank {self.rank}): close() finished the communication in "
@@ -378,6 +379,19 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         if raise_errors:
             raise RuntimeError(message) from e
         logger.error("%s", message)
+
+    def _release(self) -> None:
+        """After close: drop what references collectives and their buffers (the finished
+        works and futures of the last pass, the Join notification) and cut the reducer's
+        reference cycles, so none of it waits for the garbage collector. A gloo work freed
+        by a late collection, after ``destroy_process_group()`` or during interpreter
+        shutdown, is what aborts a process at exit ('terminate called without an active
+        exception')."""
+        bw = self._bw
+        for bucket in bw.buckets:
+            bucket.handle = None
+        bw.join_work = None
+        self._forward.joinable = self._forward.backward_start = None
 
     # ------------------------------------------------------------------ Joinable
     def join_hook(self, **kwargs: Any) -> JoinHook:
