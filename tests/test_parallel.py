@@ -219,7 +219,24 @@ def _release():
         again(batch("mlp", rank, 1))
     model.zero_grad()
     loss_of(model(batch("mlp", rank, 1))).backward()   # a plain module: local gradients
-    return averaged, [p.grad.clone() for p in model.parameters()]
+    local = [p.grad.clone() for p in model.parameters()]
+
+    # wrapping again while the first wrapper lives (a loop over options): the newer one
+    # averages, the older one refuses to run; a wrapper of a wrapper is refused
+    first = tribucket.DistributedDataParallel(model)
+    second = tribucket.DistributedDataParallel(model, find_unused_parameters=True)
+    theirs = DDP(build("mlp"), find_unused_parameters=True)
+    model.zero_grad()
+    for m in (second, theirs):
+        loss_of(m(batch("mlp", rank, 2))).backward()
+    for a, b in zip(model.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    with pytest.raises(RuntimeError, match="wrapped again"):
+        first(batch("mlp", rank, 3))
+    with pytest.raises(ValueError, match="already averaged by another reducer"):
+        tribucket.DistributedDataParallel(second)
+    second.close()
+    return averaged, local
 
 
 def test_close_and_garbage_collection_release_the_module(dist_run):
@@ -272,3 +289,40 @@ def test_ddp_keywords_are_accepted_or_refused_by_name(dist_run):
     assert len(out["frozen"]) == 2
     assert all("doesn't have any parameter that requires a gradient" in m for m in out["frozen"])
     assert any("check_reduction" in m for m in out["check_reduction"])
+
+
+# ---------------------------------------------------------------- torch.save of the wrapper
+def _pickle_roundtrip():
+    """torch.save / torch.load of the wrapper on every rank, as DDP's: the loaded one has
+    the same options and parameters and averages gradients as DDP does. (Loading attaches a
+    reducer, which broadcasts rank 0's buffers at once; DDP's loaded copy does at its next
+    training forward.)"""
+    import io
+
+    rank = dist.get_rank()
+    ours = tribucket.DistributedDataParallel(build("bn"), find_unused_parameters=True)
+    theirs = DDP(build("bn"), find_unused_parameters=True)
+    for model in (ours, theirs):
+        loss_of(model(batch("bn", rank, 0))).backward()
+    buf = io.BytesIO()
+    torch.save(ours, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.find_unused_parameters and loaded.module is not ours.module
+    assert list(loaded.state_dict()) == list(theirs.state_dict())
+    for a, b in zip(loaded.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b)  # (buffers: loading broadcasts rank 0's, see below)
+    ours.close()
+    loaded.module.zero_grad()
+    theirs.module.zero_grad()
+    for model in (loaded, theirs):
+        loss_of(model(batch("bn", rank, 1))).backward()
+    for a, b in zip(loaded.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert_states_equal(loaded, theirs, f"rank {rank}, loaded, after a step: ")
+    return [p.grad.clone() for p in loaded.parameters()]
+
+
+def test_pickled_wrapper_trains_as_ddp(dist_run):
+    g0, g1 = dist_run(_pickle_roundtrip)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))

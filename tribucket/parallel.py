@@ -44,6 +44,10 @@ def _refuse(name: str, value: Any, why: str) -> None:
                      f"{why}")
 
 
+#: live wrappers, to hand a module over when it is wrapped again
+_LIVE: "weakref.WeakSet[DistributedDataParallel]" = weakref.WeakSet()
+
+
 def _close_quietly(holder: list) -> None:
     """Finalizer of a dropped wrapper: detach its reducer (hooks off, claims released)."""
     reducer = holder[0]
@@ -175,11 +179,16 @@ class DistributedDataParallel(nn.Module, Joinable):
             options["ignore_parameters"] = tuple(options.get("ignore_parameters", ())) + ignored
 
         self.module = module
+        #: DDP's name for the size of the coalesced broadcasts of parameters and buffers
+        self.broadcast_bucket_size = 250 * 2**20
+        if device_mesh is not None:
+            self.device_mesh = device_mesh
         self.dim = dim
         self.device = device
         self.device_type = device.type
         self._user_broadcast_buffers = bool(sync_buffers)
         self._comm_hook: tuple | None = None
+        self._supersede(module)
         if init_buffers and not sync_buffers:  # DDP syncs the buffers at construction anyway
             self._broadcast_buffers_once(module, process_group)
         reducer = Reducer(module, process_group, bucket_cap_mb=bucket_cap_mb,
@@ -188,6 +197,39 @@ class DistributedDataParallel(nn.Module, Joinable):
                           static_graph=static_graph, broadcast_buffers=sync_buffers, **options)
         self._holder[0] = reducer
         self._finalizer = weakref.finalize(self, _close_quietly, self._holder)
+        _LIVE.add(self)
+
+    def _supersede(self, module: nn.Module) -> None:
+        """Wrapping a module again (``ddp = DistributedDataParallel(model, ...)`` in a loop
+        over options) closes the earlier wrappers of its parameters, which then refuse to
+        run; one nested inside ``module`` (a wrapper of a wrapper) is left alone, and
+        attaching raises, naming the parameter (one reducer per parameter)."""
+        mine = {id(p) for p in module.parameters()}
+        inside = {id(m) for m in module.modules()}
+        for other in list(_LIVE):
+            reducer = other._holder[0]
+            if reducer is None or id(other) in inside:
+                continue
+            if mine & {id(p) for p in reducer.averaged_parameters}:
+                other._superseded = True
+                other.close()
+    def __getstate__(self) -> dict:
+        # as DDP's: the reducer and the process group stay behind; unpickling attaches a new
+        # reducer with the same options on the default group (the model's own forward hooks
+        # pickle as inert ones)
+        state = self.__dict__.copy()
+        state["_holder"] = [None]
+        state["_pickled_config"] = self.reducer.config
+        state["_comm_hook"] = None
+        del state["_finalizer"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        config = state.pop("_pickled_config")
+        super().__setstate__(state)
+        self._holder[0] = Reducer(self.module, None, config=config)
+        self._finalizer = weakref.finalize(self, _close_quietly, self._holder)
+        _LIVE.add(self)
 
     @staticmethod
     def _broadcast_buffers_once(module: nn.Module, group: Any) -> None:
@@ -203,6 +245,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         ``grad_norm()``, ``stats``, ``logging_data()``...)."""
         reducer = self._holder[0]
         if reducer is None:
+            if getattr(self, "_superseded", False):
+                raise RuntimeError("this tribucket.DistributedDataParallel was closed when its "
+                                   "module was wrapped again (a parameter is averaged by one "
+                                   "wrapper at a time): use the newer wrapper")
             raise RuntimeError("this tribucket.DistributedDataParallel was closed; wrap the "
                                "module again to average its gradients")
         return reducer
@@ -311,8 +357,9 @@ class DistributedDataParallel(nn.Module, Joinable):
                           stacklevel=2)
             return
         if old.stats.iterations > 0:
-            raise RuntimeError("_set_static_graph() must be called before the first backward "
-                               "pass; pass static_graph=True to the constructor instead")
+            raise RuntimeError("_set_static_graph() should be called before training loop "
+                               "starts (before the first backward); pass static_graph=True "
+                               "to the constructor instead")
         config = dataclasses.replace(old.config, static_graph=True)
         old.close()
         self._holder[0] = None
@@ -323,6 +370,20 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """DDP's logging dict: :meth:`tribucket.Reducer.logging_data`."""
         return self.reducer.logging_data()
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """DDP samples its runtime figures; tribucket's are current at every backward, so
+        this only checks the value, as DDP does."""
+        if sample_rate < 1:
+            raise ValueError("DDP runtime logging sample rate should be equal or greater "
+                             f"than 1, got {sample_rate!r}")
+
+    @staticmethod
+    def _get_data_parallel_params(module: nn.Module, named_params: bool = False) -> Iterator:
+        """DDP's: the module's parameters not marked to be ignored."""
+        for param in module.named_parameters() if named_params else module.parameters():
+            if not hasattr(param[1] if named_params else param, "_ddp_ignored"):
+                yield param
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module,
