@@ -181,6 +181,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.module = module
         #: DDP's name for the size of the coalesced broadcasts of parameters and buffers
         self.broadcast_bucket_size = 250 * 2**20
+        #: names of the parameters and buffers left alone (DDP's attribute)
+        self.parameters_to_ignore = set(ignored)
         if device_mesh is not None:
             self.device_mesh = device_mesh
         self.dim = dim

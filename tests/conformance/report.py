@@ -10,6 +10,7 @@ from differences import REASONS
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIG_NAMES = {"cpu": "torch's CPU configuration",
                 "gpu": "GPU-gated tests run on the CPU"}
+SHORT = {"cpu": "CPU", "gpu": "GPU-gated on the CPU"}
 KINDS = {"documented": "documented difference", "internal": "reads DDP internals",
          "open": "open defect"}
 
@@ -71,6 +72,12 @@ def summary(names: list[str]) -> str:
     return "; ".join(parts)
 
 
+def _seconds(impl: str) -> int:
+    """Seconds the recorded tests of ``impl`` took, both configurations."""
+    return round(sum(t.get("seconds") or 0 for config in CONFIG_NAMES
+                     for t in load(impl, config)["tests"].values()))
+
+
 def page(names: list[str]) -> str:
     meta = load("tribucket", "gpu")["meta"] or load("tribucket", "cpu")["meta"]
     base = load("ddp", "gpu")["meta"]
@@ -98,10 +105,13 @@ def page(names: list[str]) -> str:
         "GPU gates in the CPU configuration; decided before spawning).",
         "",
         f"Last run: torch {meta.get('torch', '?')}, {meta.get('machine', '?')}, "
-        f"{meta.get('date', '?')}, {meta.get('last_run_seconds', '?')} s for the GPU-gated "
-        "configuration; the machine was shared with other jobs "
-        f"(1-min load average {meta.get('load_average', '?')} at the end). DDP's baseline: "
-        f"{base.get('date', '?')}, re-run with `python tests/conformance/run.py --impl ddp`.",
+        f"{meta.get('date', '?')}; the tests took {_seconds('tribucket')} s through "
+        f"tribucket and {_seconds('ddp')} s through DDP, each test a process tree forked "
+        "from a server that imported torch's tests once; the machine was shared with other "
+        f"jobs (1-min load average {meta.get('load_average', '?')} at the end of the last "
+        f"run). DDP's baseline ({base.get('date', '?')}) is kept in "
+        "`tests/conformance/results/ddp-*.json`; re-record it with "
+        "`python tests/conformance/run.py --impl ddp`.",
         "",
         "| configuration | collected | run | DDP passes | tribucket passes | fails: "
         "documented difference | fails: reads DDP internals | fails: open defect |",
@@ -124,9 +134,9 @@ def page(names: list[str]) -> str:
     if not failing:
         out.append("None.")
     else:
-        out += ["| test | configurations | reason | |", "| --- | --- | --- | --- |"]
+        out += ["| test | configurations | kind | reason |", "| --- | --- | --- | --- |"]
         for n in failing:
-            where = ", ".join(c for c, rows in tables.items()
+            where = ", ".join(SHORT[c] for c, rows in tables.items()
                               if any(r[0] == n and r[1] == "fail" for r in rows))
             r = REASONS.get(n)
             kind = KINDS[r.kind] if r else "unexplained"
