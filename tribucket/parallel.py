@@ -20,8 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.utils import _to_kwargs
 
 from . import hooks as _hooks
+from .comm import broadcast_coalesced
 from .config import ReducerConfig
 from .ddp import Reducer
 
@@ -174,7 +176,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             sync_buffers = "ddp"
         if not init_sync:
             init_buffers = False  # entering still verifies and broadcasts the parameters
-        ignored = tuple(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        # DDP's names to leave alone (unknown names are ignored, as DDP does)
+        known = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+        ignored = tuple(n for n in getattr(module, "_ddp_params_and_buffers_to_ignore", ())
+                        if n in known)
         if ignored:
             options["ignore_parameters"] = tuple(options.get("ignore_parameters", ())) + ignored
 
@@ -192,7 +197,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._comm_hook: tuple | None = None
         self._supersede(module)
         if init_buffers and not sync_buffers:  # DDP syncs the buffers at construction anyway
-            self._broadcast_buffers_once(module, process_group)
+            self._broadcast_buffers_once(module, process_group, set(ignored))
         reducer = Reducer(module, process_group, bucket_cap_mb=bucket_cap_mb,
                           find_unused_parameters=find_unused_parameters,
                           gradient_as_bucket_view=gradient_as_bucket_view,
@@ -234,9 +239,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         _LIVE.add(self)
 
     @staticmethod
-    def _broadcast_buffers_once(module: nn.Module, group: Any) -> None:
-        from .comm import broadcast_coalesced
-        buffers = [b.detach() for b in module.buffers()]
+    def _broadcast_buffers_once(module: nn.Module, group: Any, ignored: set) -> None:
+        buffers = [b.detach() for n, b in module.named_buffers() if n not in ignored]
         if buffers and dist.get_world_size(group) > 1:
             broadcast_coalesced(buffers, src=0, group=group)
 
@@ -267,7 +271,6 @@ class DistributedDataParallel(nn.Module, Joinable):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self.reducer  # a closed wrapper refuses to run: its gradients would not be averaged
         if self.device_ids:
-            from torch.distributed.utils import _to_kwargs
             inputs, kwargs = _to_kwargs(inputs, kwargs, torch.device(self.device_type,
                                                                       self.device_ids[0]), False)
             inputs, kwargs = inputs[0], kwargs[0]
