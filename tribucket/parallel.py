@@ -376,6 +376,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         """DDP's logging dict: :meth:`tribucket.Reducer.logging_data`."""
         return self.reducer.logging_data()
 
+    def _remove_autograd_hooks(self) -> None:
+        """DDP's: take the reducer's hooks off the module; here :meth:`close`."""
+        self.close()
+
+    def _set_ddp_sink_clone(self, val: bool) -> None:
+        """DDP's switch for cloning the outputs in its ``_DDPSink``; tribucket passes the
+        outputs through untouched, so there is nothing to switch."""
+        if not isinstance(val, bool):
+            raise TypeError(f"_set_ddp_sink_clone takes a bool, got {val!r}")
+
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """DDP samples its runtime figures; tribucket's are current at every backward, so
         this only checks the value, as DDP does."""

@@ -88,12 +88,6 @@ REASONS: dict[str, Reason] = {
         "internal", "expects DDP's message (\"Expected to have finished reduction in the prior "
         "iteration ...\") at the next forward and the log field `has_error`; tribucket raises "
         f"at the end of the backward, naming the parameter ({_MISSING})"),
-    "test_ddp_remove_autograd_hooks": Reason(
-        "internal", "calls DDP's private `_remove_autograd_hooks()` (tribucket's is "
-        "`close()`)"),
-    "test_ddp_sink_noclone": Reason(
-        "internal", "calls DDP's private `_set_ddp_sink_clone` (DDP's `_DDPSink` autograd "
-        "function)"),
     "test_ddp_profiling_torch_profiler": Reason(
         "internal", "expects the profiler range `search_unused_parameters` that DDP's C++ "
         "reducer records (the collectives' own events are found)"),
