@@ -198,13 +198,14 @@ def _aligned_head(v: torch.Tensor) -> int:
 class _OutViews:
     """Views of one buffer, built once per (data_ptr, dtype, numel)."""
 
-    __slots__ = ("buf", "lists", "tviews", "tshapes")
+    __slots__ = ("buf", "lists", "tviews", "tshapes", "tpartial")
 
     def __init__(self, buf):
         self.buf = buf
         self.lists: dict = {}  # id(run list) -> views of each run (see `of`)
         self.tviews = None     # views shaped like the tensors (unpack)
         self.tshapes = None
+        self.tpartial = False  # some tensor was None at the build: its view is flat
 
     def of(self, runs: list) -> list:
         """``[(2-D view, 1-D view, aligned head)]`` of each run."""
@@ -328,16 +329,19 @@ class _TorchPath:
 
         Rebuilt when a checked call brings other shapes; unchecked calls trust the shapes of
         the last build (``_foreach_copy_`` raises if they no longer broadcast; shapes that do
-        broadcast with equal numel have the same element order, so they are still right).
+        broadcast with equal numel have the same element order, so they are still right),
+        unless a tensor was missing at that build (a parameter without a gradient then, with
+        one now): those calls compare the shapes again.
         """
         shapes = None
-        if check or views.tviews is None:
+        if check or views.tviews is None or views.tpartial:
             shapes = [None if t is None else t.shape for t in tensors]
         if views.tviews is None or (shapes is not None and shapes != views.tshapes):
             buf = views.buf
             views.tviews = [buf[o:o + n].view(n if sh is None else sh)
                             for sh, n, o in zip(shapes, self.sizes, self.offsets)]
             views.tshapes = shapes
+            views.tpartial = None in shapes
         return views.tviews
 
     def _unpack_torch(self, buffer, tensors, scale, accumulate, dtypes, check) -> None:

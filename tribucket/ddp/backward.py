@@ -20,6 +20,7 @@ unpack kernel or on first use (``reducer.found_inf``, ``grad_norm()``, clipping,
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -73,6 +74,10 @@ class Backward:
         self.static_counts: list[int] | None = None  # static_graph: hooks per parameter
         self.static_used: list | None = None   # static_graph: global used map
         self.ready_order: list[int] = []       # first synced pass: gradient-ready order
+        # find_unused_parameters: parameters that got a gradient in a no_sync pass since the
+        # last synchronised one; they count as used by this rank at the next (DDP's
+        # local_used_map is kept across no_sync iterations the same way)
+        self.nosync_used = bytearray(len(params)) if config.dynamic_unused else None
         self.rebuilt = False
         self.forwards = 0                      # training forwards with grad (the step)
         self.agree_pending = self.world_size > 1  # compare hook and state at 1st backward
@@ -80,6 +85,7 @@ class Backward:
         # iteration number that fingerprints and failure reports use, equal on every rank
         self.join_work = None                  # Join: the notify allreduce (ranks active)
         self.closed = False
+        self.warned_create_graph = False       # backward(create_graph=True) seen
         # the per-gradient hook's short path applies: no hook counts, no order recorded
         self._plain = not (config.static_graph or config.find_unused_parameters)
         #: the post-accumulate-grad hook of each parameter (the reducer registers them)
@@ -120,7 +126,29 @@ class Backward:
 
     def on_grad_ready(self, index: int) -> None:
         """A gradient outside :class:`GradHook`'s common case: the first of a pass,
-        ``no_sync``, hook counts (``static_graph``), the used map, the rebuild order, misuse."""
+        ``no_sync``, hook counts (``static_graph``), the used map, the rebuild order, misuse,
+        ``backward(create_graph=True)``."""
+        if torch.is_grad_enabled():
+            # backward(create_graph=True): the gradients carry a graph; the reducer's copies
+            # of them must not (autograd refuses out= arguments), and as in DDP only the
+            # first-order gradients are averaged. Every gradient of such a pass comes here.
+            p = self.pass_ if self.pass_ is not None else self._begin_pass()
+            if not p.create_graph:
+                p.create_graph = True
+                self._warn_create_graph()
+            with torch.no_grad():
+                return self._on_grad_ready(index)
+        return self._on_grad_ready(index)
+
+    def _warn_create_graph(self) -> None:
+        if not self.warned_create_graph:
+            self.warned_create_graph = True
+            warnings.warn("tribucket: backward(create_graph=True): the gradients are averaged "
+                          "across ranks as usual, but their graph is not: higher-order "
+                          "gradients computed from .grad are this rank's own (torch DDP "
+                          "does the same)", UserWarning, stacklevel=4)
+
+    def _on_grad_ready(self, index: int) -> None:
         p = self.pass_
         if p is None:
             p = self._begin_pass()
@@ -128,6 +156,8 @@ class Backward:
             p.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
         if not p.sync:
+            if self.nosync_used is not None:
+                self.nosync_used[index] = 1
             return
         p.fired[index] += 1
         if not p.any_ready:
@@ -167,7 +197,7 @@ class Backward:
         p.record_order = (self.policy.may_rebuild(self.rebuilt)
                           and (not cfg.static_graph or self.static_counts is not None))
         # later gradients of this pass take GradHook's short path
-        p.plain = self._plain and not p.record_order
+        p.plain = self._plain and not p.record_order and not p.create_graph
         if p.plain and p is self.pass_:  # (not a pass being settled: it is over)
             self.native.begin(p, self.buckets)
         if cfg.static_graph and self.static_counts is None:
@@ -230,6 +260,12 @@ class Backward:
 
     # ------------------------------------------------------------------ end of backward
     def finalize(self) -> None:
+        if self.pass_ is not None and self.pass_.create_graph:
+            with torch.no_grad():
+                return self._finalize()
+        return self._finalize()
+
+    def _finalize(self) -> None:
         p, self.pass_ = self.pass_, None
         self.native.end(self.buckets)  # the counts kept in C++ this pass come back
         if p is None or not p.sync:
@@ -249,7 +285,7 @@ class Backward:
             for bucket in self.buckets:
                 bucket.pending, bucket.state = 0, BucketState.READY
         used = self._local_used(p)
-        n_missing = p.ready.count(0)
+        n_missing = self._missing(p)
         # launch whatever is left, with zeros for missing gradients, so no peer is left
         # blocked in a collective this rank would never join
         for b in range(p.next_bucket, len(self.buckets)):
@@ -258,13 +294,15 @@ class Backward:
 
         results, status, self.stats.status_check_s = self._exchange_status(
             p, n_missing + len(p.errors), used)
+        self._forget_nosync_used()
         if self.piggyback and len(p.errors) > p.status_errors:
             # misuse seen after the status was sent with the last bucket: this rank only
             self.status.raise_problems([], [0.0] * self.world_size, p.errors)
         self.status.check_steps(status)  # before the gradients reach .grad
         counts = self.status.problems(status)
         if sum(counts) > 0:
-            missing = [self.names[i] for i in range(len(self.params)) if not p.ready[i]]
+            missing = ([] if cfg.dynamic_unused else
+                       [self.names[i] for i in range(len(self.params)) if not p.ready[i]])
             self.status.raise_problems(missing, counts, p.errors)
         global_used = None
         if used is not None:
@@ -299,6 +337,13 @@ class Backward:
             for bucket in self.buckets:  # the averaged gradients, re-bucketed
                 self.epilogue.finished(bucket.index)
 
+    def _missing(self, p: Pass) -> int:
+        """Gradients this rank missed, as problems to report. With find_unused_parameters a
+        parameter the forward reached may still get none (an output the loss leaves out): it
+        is unused in this pass, as DDP's hooks fired with an undefined gradient make it, so
+        its gradient is left as it was unless another rank used it."""
+        return 0 if self.config.dynamic_unused else p.ready.count(0)
+
     def _local_used(self, p: Pass) -> list | None:
         """This rank's used map when the global one is needed this iteration, else None."""
         cfg = self.config
@@ -309,12 +354,21 @@ class Backward:
         # locally used: the hook fired with a gradient (DDP's local_used_map); sharded
         # buckets release .grad once it is copied in, and a hook fires only with a gradient
         sharded = self.shards is not None
-        return [1.0 if (f > 0 and (sharded or self.params[i].grad is not None)) else 0.0
+        used = [1.0 if (f > 0 and (sharded or self.params[i].grad is not None)) else 0.0
                 for i, f in enumerate(p.fired)]
+        if self.nosync_used is not None and any(self.nosync_used):
+            for i, f in enumerate(self.nosync_used):
+                if f and self.params[i].grad is not None:
+                    used[i] = 1.0
+        return used
+
+    def _forget_nosync_used(self) -> None:
+        if self.nosync_used is not None:
+            self.nosync_used[:] = bytes(len(self.nosync_used))
 
     def _write_status_tail(self, p: Pass, buf: torch.Tensor) -> int:
         """Write this rank's status into the tail of the last bucket's buffer."""
-        problems = 0 if p.shadow else p.ready.count(0) + len(p.errors)
+        problems = 0 if p.shadow else self._missing(p) + len(p.errors)
         p.status_errors = len(p.errors)
         return self.status.write_tail(
             buf, self.status.tensor(problems, self._local_used(p), self.status.step_mark(p)))
@@ -389,7 +443,8 @@ class Backward:
         for b in range(p.next_bucket, len(self.buckets)):
             self.buckets[b].launch(p, self.comm)
         p.next_bucket = len(self.buckets)
-        self._exchange_status(p, p.ready.count(0) + len(p.errors), self._local_used(p))
+        self._exchange_status(p, self._missing(p) + len(p.errors), self._local_used(p))
+        self._forget_nosync_used()
 
     def agree_on_state(self) -> None:
         """At the first synchronised backward after entering or loading: every rank must hold

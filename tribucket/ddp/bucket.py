@@ -287,18 +287,15 @@ class DenseBucket(_BucketBase):
         self.mem.put(k, self.params[k].grad, scale)
 
     def launch(self, p: Pass, comm: Comm, zeros: bool = False) -> None:
-        """Pack the bucket (one fused call; missing gradients as zeros) and communicate it.
-        ``zeros``: a Join shadow pass, the whole bucket is zeros."""
+        """Pack the bucket (one fused call) and communicate it. A gradient missing in this
+        pass goes as the parameter's ``.grad`` as it is (zeros where None), as DDP sends it:
+        an output the loss left out under ``find_unused_parameters`` keeps its earlier
+        gradient, and a rank that did not use a parameter another rank used contributes
+        what it accumulated. ``zeros``: a Join shadow pass, the whole bucket is zeros."""
         if zeros:
             buf = self.mem.zeros()
         else:
-            if self.pending == 0:  # the usual case: every gradient is in
-                grads = list(map(_grad_of, self.params))
-            else:
-                ready = p.ready
-                grads = [q.grad if ready[i] else None
-                         for q, i in zip(self.params, self.indices)]
-            buf = self.mem.pack(grads, p.scale)
+            buf = self.mem.pack(list(map(_grad_of, self.params)), p.scale)
         self.communicate(p, comm, buf)
 
     # ---------------------------------------------------------------- communicate

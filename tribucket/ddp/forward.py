@@ -32,9 +32,13 @@ class Forward:
     ``joinable``: the reducer, as ``torch.distributed.algorithms.Join`` knows it."""
 
     def __init__(self, config: ReducerConfig, bw: Backward, guard: CommGuard,
-                 join_flags: JoinFlags, params: list[torch.Tensor], buffers: list,
-                 world_size: int, joinable: Any, backward_start: Callable):
+                 join_flags: JoinFlags, params: list[torch.Tensor],
+                 buffers: Callable[[], list], world_size: int, joinable: Any,
+                 backward_start: Callable):
         self.config, self.bw, self.guard, self.join_flags = config, bw, guard, join_flags
+        # buffers(): the module's buffers now, (name, tensor) each: read before every
+        # broadcast, as DDP does, so a buffer reassigned on the module (an EMA or a step
+        # counter written as `self.buf = self.buf + 1`) is the one broadcast
         self.params, self.buffers, self.world_size = params, buffers, world_size
         self.joinable, self.backward_start = joinable, backward_start
         self.require_param_sync = True  # broadcast buffers before the next forward
@@ -64,12 +68,19 @@ class Forward:
             self.join_flags.allreduce(1.0 if bw.sync_enabled else 0.0, bw.passes)
 
     def broadcast_buffers(self, source: Callable[[], int]) -> None:
-        if not (self.config.broadcast_buffers and self.buffers and self.world_size > 1):
+        if not (self.config.broadcast_buffers and self.world_size > 1):
+            return
+        buffers = tuple(b.detach() for _, b in self.buffers())
+        if not buffers:
             return
         src = source()
-        self.guard.fingerprint("buffers", self.bw.passes, 0, len(self.buffers), None)
-        broadcast_coalesced([b.detach() for _, b in self.buffers], src=src,
-                            group=self.guard.group_arg())
+        self.guard.fingerprint("buffers", self.bw.passes, 0, len(buffers), None)
+        # a forward whose backward has not run yet may have saved a buffer (BatchNorm's
+        # running statistics): overwriting it in place must not bump its version counter,
+        # or that backward fails on this rank (two forwards, then one backward through
+        # both). As DDP: the values a backward reads of a running statistic do not matter.
+        with torch.autograd._unsafe_preserve_version_counter(buffers):
+            broadcast_coalesced(buffers, src=src, group=self.guard.group_arg())
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():

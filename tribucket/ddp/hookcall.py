@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -12,13 +13,54 @@ from ..hooks import _torch_single_collective_hooks
 from ..layout import Bucket
 
 __all__ = ["HookRef", "hook_name", "invoke", "invoke_after", "check_result",
-           "lend_timed_group"]
+           "check_signature", "lend_timed_group"]
 
 
 def hook_name(hook: Callable | None) -> str:
     if hook is None:
         return "allreduce (default)"
     return getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or repr(hook)
+
+
+_BUCKET_TYPES = (GradBucket, dist.GradBucket)
+_BUCKET_NAMES = {"GradBucket", "dist.GradBucket", "torch.distributed.GradBucket",
+                 "tribucket.GradBucket", "tribucket.grad_bucket.GradBucket"}
+
+
+def check_signature(hook: Callable) -> None:
+    """Refuse, at registration, a hook whose annotations say it is not ``hook(state, bucket)
+    -> Future[Tensor]`` (torch DDP's check): the bucket parameter annotated as something
+    other than a ``GradBucket``, or the return as something other than a ``Future``.
+    Unannotated hooks pass; string annotations are read by name."""
+    try:
+        sig = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: nothing to read
+    params = [p for p in sig.parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(params) < 2 and not any(p.kind == p.VAR_POSITIONAL
+                                   for p in sig.parameters.values()):
+        raise TypeError(f"comm hook {hook_name(hook)} takes {len(params)} positional "
+                        "argument(s); a hook is called as hook(state, bucket)")
+    bucket = sig.parameters.get("bucket", params[1] if len(params) > 1 else None)
+    ann = bucket.annotation if bucket is not None else inspect.Parameter.empty
+    if ann is not inspect.Parameter.empty and not (
+            ann in _BUCKET_TYPES or (isinstance(ann, str) and ann in _BUCKET_NAMES)):
+        raise ValueError(f"comm hook {hook_name(hook)}: its bucket argument is annotated "
+                         f"{ann!r}; it receives a torch.distributed.GradBucket (annotate it "
+                         "so, or not at all)")
+    ret = sig.return_annotation
+    if ret is not inspect.Signature.empty and not _is_future(ret):
+        raise ValueError(f"comm hook {hook_name(hook)}: its return is annotated {ret!r}; a "
+                         "hook returns a torch.futures.Future[torch.Tensor] (annotate it so, "
+                         "or not at all)")
+
+
+def _is_future(ann: Any) -> bool:
+    if isinstance(ann, str):
+        return ann.split("[", 1)[0].split(".")[-1] == "Future"
+    origin = getattr(ann, "__origin__", ann)
+    return isinstance(origin, type) and issubclass(origin, torch._C.Future)
 
 
 def invoke(hook: Callable, state: Any, b: int, gb: GradBucket) -> torch.futures.Future:

@@ -34,6 +34,12 @@ class ModelView:
     expect_sparse: list[bool]
 
 
+def module_buffers(module: nn.Module, ignore_names) -> list[tuple[str, torch.Tensor]]:
+    """The module's buffers as they are now (a buffer reassigned, registered or set to None
+    since entering included), less the ignored names."""
+    return [(n, b) for n, b in module.named_buffers() if n not in ignore_names]
+
+
 def inspect_model(module: nn.Module, ignore_parameters: tuple, only=None) -> ModelView:
     """Collect the parameters and buffers the reducer manages, validating ``ignore_parameters``.
 
@@ -68,8 +74,7 @@ def inspect_model(module: nn.Module, ignore_parameters: tuple, only=None) -> Mod
         return is_expert_parallel(p) if only_ids is None else id(p) not in only_ids
 
     state_params = [(n, p) for n, p in named if not ignored(n, p)]
-    buffers = [] if only is not None else [(n, b) for n, b in module.named_buffers()
-                                           if n not in ignore_names]
+    buffers = [] if only is not None else module_buffers(module, ignore_names)
     grad_params = [(n, p) for n, p in state_params if p.requires_grad]
     names = [n for n, _ in grad_params]
     params = [p for _, p in grad_params]

@@ -10,16 +10,20 @@ gradient the native path does not handle (``fallback(parameter)``): the first of
 gradients arrive, sparse buckets, misuse.
 
 The extension is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler
-and ``ninja``; about 20 s, cached in ``TORCH_EXTENSIONS_DIR``). Where it cannot be built the
+and ``ninja``; about 20 s, cached under ``TORCH_EXTENSIONS_DIR``, see :func:`build_dir`). Where it cannot be built the
 reducer uses its Python hooks, which behave the same; ``ReducerConfig.native_hooks=True``
 makes that an error instead.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
+import importlib.util
 import os
 import pathlib
+import sys
 import threading
 import warnings
 import weakref
@@ -29,6 +33,7 @@ import torch
 __all__ = ["NO_NATIVE", "NativeHooks", "load", "unavailable_reason"]
 
 _SOURCE = pathlib.Path(__file__).with_name("ready_hooks.cpp")
+_NAME = "tribucket_ready_hooks"
 _lock = threading.Lock()
 _module = None
 _error: str | None = None
@@ -42,15 +47,8 @@ def load():
         return _module
     with _lock:
         if _module is None and _error is None:
-            path = os.environ.get("PATH", "")
             try:
-                from torch.utils.cpp_extension import load as build
-
-                # the pip-installed ninja, even when its environment is not activated
-                if _ninja_dir():
-                    os.environ["PATH"] = _ninja_dir() + os.pathsep + path
-                _module = build("tribucket_ready_hooks", [str(_SOURCE)],
-                                extra_cflags=["-O2"], verbose=False)
+                _module = _load_or_build(build_dir())
             except Exception as e:  # noqa: BLE001 - any build failure means "use Python"
                 lines = str(e).strip().splitlines()
                 _error = f"{type(e).__name__}: {lines[-1] if lines else ''}"
@@ -59,9 +57,58 @@ def load():
                               "time per gradient). Install a C++ compiler and `ninja`, or "
                               "pass native_hooks=False to silence this.", RuntimeWarning,
                               stacklevel=3)
-            finally:
-                os.environ["PATH"] = path
     return _module
+
+
+def build_dir() -> pathlib.Path:
+    """Where the extension is built and cached: under ``TORCH_EXTENSIONS_DIR`` (torch's
+    default: ``~/.cache/torch_extensions``), in a folder named after what the binary depends
+    on (the source, torch's version and ABI, Python's version), not after the checkout or
+    the environment's path: every checkout and venv with the same torch shares one build."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    key = hashlib.sha256(_SOURCE.read_bytes())
+    key.update(f"{torch.__version__}|{torch._C._GLIBCXX_USE_CXX11_ABI}|"
+               f"{sys.version_info[:2]}|{sys.platform}".encode())
+    return pathlib.Path(root) / f"{_NAME}-{key.hexdigest()[:16]}"
+
+
+def _load_or_build(where: pathlib.Path):
+    """Import the cached binary, or build it first. One build at a time per folder: an
+    ``flock`` (the kernel releases it when its holder dies, so a build killed half-way never
+    leaves the next one waiting on a stale lock file, as torch's own lock file does)."""
+    binary = where / f"{_NAME}.so"
+    if not binary.exists():
+        where.mkdir(parents=True, exist_ok=True)
+        with open(where.with_name(where.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not binary.exists():
+                return _build(where)
+    return _import(binary)
+
+
+def _build(where: pathlib.Path):
+    from torch.utils.cpp_extension import load as build
+
+    # we hold the folder's flock: a lock file of torch's here is left by a killed build
+    (where / "lock").unlink(missing_ok=True)
+    path = os.environ.get("PATH", "")
+    try:
+        # the pip-installed ninja, even when its environment is not activated
+        if _ninja_dir():
+            os.environ["PATH"] = _ninja_dir() + os.pathsep + path
+        return build(_NAME, [str(_SOURCE)], extra_cflags=["-O2"],
+                     build_directory=str(where), verbose=False)
+    finally:
+        os.environ["PATH"] = path
+
+
+def _import(binary: pathlib.Path):
+    spec = importlib.util.spec_from_file_location(_NAME, binary)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _ninja_dir() -> str:

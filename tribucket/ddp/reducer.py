@@ -10,6 +10,7 @@ files one gradient goes through.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import replace
 from typing import Any, Callable, Iterator
@@ -30,9 +31,9 @@ from .bucket import Comm
 from .claims import claim, release
 from .compat import DDPCompat, bucket_sizes, logging_data
 from .forward import Forward
-from .hookcall import HookRef, hook_name, lend_timed_group
+from .hookcall import HookRef, check_signature, hook_name, lend_timed_group
 from .join import JoinFlags, ReducerJoinHook, refuse_join_with_experts
-from .model import expert_replica_sets, inspect_model, verify_across_ranks
+from .model import expert_replica_sets, inspect_model, module_buffers, verify_across_ranks
 from .shard import ShardAccess
 from .state import ReducerStats
 from .watchdog import CommGuard
@@ -72,8 +73,18 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         logger.info("tribucket reducer on rank %d/%d: %s", self.rank, self.world_size,
                     describe_backend())
 
+        if _only is None and not any(p.requires_grad for p in module.parameters()):
+            raise ValueError(f"{type(module).__name__} has no parameter that requires a "
+                             "gradient, so there is nothing to average across ranks: train "
+                             "it without fused_bucketing (as torch DDP refuses it too), or "
+                             "set requires_grad=True on the parameters meant to train")
         view = inspect_model(module, config.ignore_parameters, only=_only)
-        self._state_params, self._buffers = view.state_params, view.buffers
+        self._state_params = view.state_params
+        # the buffers broadcast: the module's as they are at each broadcast (none for an
+        # expert replicas' reducer)
+        ignored = {n for n in config.ignore_parameters if isinstance(n, str)}
+        self._current_buffers = ((lambda: []) if _only is not None else
+                                 functools.partial(module_buffers, module, ignored))
         self._names, self._params = view.names, view.params
         self._device = view.device
         claim(self, view.names, view.params)  # before any collective: one reducer per param
@@ -104,7 +115,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         self._handles: list = []
         self._hook_refs: list[HookRef] = []
         self._forward = Forward(config, self._bw, self._guard, self._join_flags, self._params,
-                                self._buffers, self.world_size, self,
+                                self._current_buffers, self.world_size, self,
                                 self._hook_ref(self._bw, "on_backward_start"))
         self._attach()
         #: reducers averaging expert replicas over their replica groups (expert x data
@@ -117,7 +128,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
     def _broadcast_states(self, src_rank: int, buffers: bool | str) -> None:
         tensors = [p.detach() for _, p in self._state_params]
         if buffers:
-            tensors += [b.detach() for _, b in self._buffers]
+            tensors += [b.detach() for _, b in self._current_buffers()]
         broadcast_coalesced(tensors, src=src_rank, group=self._guard.group_arg())
 
     def _attach(self) -> None:
@@ -192,6 +203,20 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         """Names of the averaged parameters; ``layout`` indices point into this list."""
         return list(self._names)
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """Whether the next training forward's backward averages gradients (``True``) or
+        accumulates them locally (``False``), as DDP's attribute of the same name: set it
+        before the forward (nanoGPT's accumulation loop does). ``no_sync()`` sets it for
+        the duration of its block."""
+        return self._bw.sync_enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._bw.sync_enabled = bool(value)
+        for r in self.expert_reducers:
+            r.require_backward_grad_sync = value
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the next backward outside reduces their sum.
@@ -217,6 +242,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got "
                             f"{type(hook).__name__} {hook!r}")
+        check_signature(hook)
         if self.config.shard_optimizer:
             raise ValueError(f"cannot register {hook_name(hook)}: with shard_optimizer=True "
                              "each bucket is reduce-scattered by the reducer itself, so no "

@@ -150,7 +150,13 @@ def second_gradient_error(name: str, found_unused: bool) -> str:
     """The misuse message when parameter ``name`` gets a gradient twice in one pass."""
     if found_unused:
         return (f"parameter {name!r} was found unused after the forward (no path from the "
-                "forward's outputs reaches it) but then received a gradient; compute the "
+                "forward's outputs reaches it) but then received a gradient. The usual cause "
+                "is reentrant activation checkpointing (torch.utils.checkpoint with "
+                "use_reentrant=True, or a Hugging Face model's "
+                "gradient_checkpointing_enable() with use_reentrant=True), which hides the "
+                "checkpointed layers from the forward's graph: pass use_reentrant=False, or "
+                "static_graph=True when the same parameters are used every iteration. "
+                "Otherwise the parameter is used outside the model's forward: compute the "
                 "loss from the model's outputs")
     return (f"parameter {name!r} received a second gradient in the same backward pass. "
             "Causes: the parameter is used in several reentrant backward passes "
