@@ -29,11 +29,6 @@ from .ddp import Reducer
 
 __all__ = ["DistributedDataParallel"]
 
-
-def _has_sync_flag(reducer: Reducer) -> bool:
-    """The reducer has a settable ``require_backward_grad_sync`` of its own."""
-    return hasattr(reducer, "require_backward_grad_sync")
-
 #: DDP's options that mean what tribucket's options of the same name mean
 _SHARED = ("bucket_cap_mb", "find_unused_parameters", "gradient_as_bucket_view", "static_graph")
 #: tribucket's own options (keyword only here); the DDP-named ones come from DDP's signature
@@ -98,7 +93,6 @@ class DistributedDataParallel(nn.Module, Joinable):
                  forward_sync_buffers: bool | None = None, **options: Any):
         super().__init__()
         self._holder: list = [None]  # the reducer, shared with the finalizer
-        self._require_sync = True  # require_backward_grad_sync, where the reducer has none
         if not isinstance(module, nn.Module):
             raise TypeError("tribucket.DistributedDataParallel wraps a torch.nn.Module, got "
                             f"{type(module).__name__}")
@@ -274,9 +268,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             inputs, kwargs = _to_kwargs(inputs, kwargs, torch.device(self.device_type,
                                                                       self.device_ids[0]), False)
             inputs, kwargs = inputs[0], kwargs[0]
-        if not self._require_sync and not _has_sync_flag(self.reducer):
-            with self.reducer.no_sync():  # the reducer reads it at the forward
-                return self.module(*inputs, **kwargs)
         return self.module(*inputs, **kwargs)
 
     def train(self, mode: bool = True) -> "DistributedDataParallel":
@@ -295,21 +286,14 @@ class DistributedDataParallel(nn.Module, Joinable):
     def require_backward_grad_sync(self) -> bool:
         """``False``: the backward of the next forwards accumulates locally, as inside
         ``no_sync()`` (how nanoGPT accumulates); ``True`` (default): it averages. Read at
-        the forward, as DDP's."""
-        reducer = self.reducer
-        if _has_sync_flag(reducer):
-            return reducer.require_backward_grad_sync
-        return self._require_sync
+        the forward, as DDP's; the reducer's own attribute."""
+        return self.reducer.require_backward_grad_sync
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
         if not isinstance(value, bool):
             raise TypeError(f"require_backward_grad_sync must be a bool, got {value!r}")
-        reducer = self.reducer
-        if _has_sync_flag(reducer):
-            reducer.require_backward_grad_sync = value
-        else:
-            self._require_sync = value
+        self.reducer.require_backward_grad_sync = value
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """Register ``hook(state, bucket) -> Future[Tensor]``, torch's contract; see
