@@ -77,42 +77,21 @@ REASONS: dict[str, Reason] = {
         "iteration\"; tribucket raises a `RuntimeError` too, naming the parameter whose "
         "gradient count changed"),
     "test_ddp_multiple_nested_unused_params_error": Reason(
-        "internal", "expects DDP's message (\"Expected to have finished reduction in the prior "
-        "iteration ...\", raised at the next forward) and the log field `has_error`; tribucket "
-        "raises at the end of the backward, on every rank, naming the parameters "
+        "documented", "a backward leaves parameters without gradients (no "
+        "`find_unused_parameters`): tribucket raises at the end of that backward, on every "
+        "rank, naming the parameters; DDP raises at the next forward, and the test expects that "
+        "timing and DDP's message (\"did not receive grad\", parameter indices) "
         f"({_MISSING})"),
     "test_ddp_multiple_nested_unused_params_err_ignore_params": Reason(
-        "internal", "expects DDP's message and log field `has_error`, as "
-        f"`test_ddp_multiple_nested_unused_params_error` ({_MISSING})"),
+        "documented", "as `test_ddp_multiple_nested_unused_params_error`, with ignored "
+        f"parameters ({_MISSING})"),
     "test_ddp_unused_params_rebuild_buckets_exception": Reason(
-        "internal", "expects DDP's message (\"Expected to have finished reduction in the prior "
-        "iteration ...\") at the next forward and the log field `has_error`; tribucket raises "
-        f"at the end of the backward, naming the parameter ({_MISSING})"),
+        "documented", "as `test_ddp_multiple_nested_unused_params_error`: tribucket raises at "
+        "the end of the backward that left `net2.weight` without a gradient; the test expects "
+        f"DDP's message at the next forward and the log field `has_error` ({_MISSING})"),
     "test_ddp_profiling_torch_profiler": Reason(
         "internal", "expects the profiler range `search_unused_parameters` that DDP's C++ "
         "reducer records (the collectives' own events are found)"),
     "test_ddp_uneven_inputs": Reason(
         "internal", "reads DDP's private `_authoritative_rank` after `join()`"),
-    # ---- open defects (minimal reproductions: docs/conformance.md)
-    "test_ddp_create_graph": Reason(
-        "open", "`loss.backward(create_graph=True)` raises in the CPU pack (\"functions with "
-        "out=... arguments don't support automatic differentiation\"); DDP averages the "
-        "first-order gradients. Repro: `m = nn.Linear(2, 1)`, then inside "
-        "`tribucket.fused_bucketing(m)`: `m(torch.ones(1, 2)).pow(2).sum()"
-        ".backward(create_graph=True)`"),
-    "test_ddp_broadcast_buffer": Reason(
-        "open", "a buffer reassigned after wrapping (`module.buf = module.buf + 1` on rank "
-        "0) is not broadcast: the reducer broadcasts the buffer tensors it collected when it "
-        "was built, so the ranks' buffers differ; DDP broadcasts the module's current buffers"),
-    "test_grads_same_across_ranks_with_no_sync": Reason(
-        "open", "with `find_unused_parameters=True`, a parameter used only inside `no_sync()` "
-        "or only on another rank is left with `.grad` `None` after the synchronised backward; "
-        "DDP gives every parameter the average (zeros where it was unused), the same on every "
-        "rank"),
-    "test_output_unused_in_loss_tuple_module": Reason(
-        "open", "a module output that the loss does not use (a tuple output): the reducer "
-        "reports its parameters as missing gradients; DDP (without "
-        "`find_unused_parameters`) averages the others"),
-    "test_output_unused_in_loss_dict_module": Reason(
-        "open", "as the test above, with a dict output"),
 }
