@@ -56,20 +56,40 @@ def _assert_never_mixed(results, steps):
 
 
 # ------------------------------------------------------------ 1. a backward that raised
-def _backward_raises(raising):
+class _FailInLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("the loss's backward failed")
+
+
+def _backward_raises(raising, where="middle"):
     rank = dist.get_rank()
     model = build("mlp")
     out = []
-    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT):
-        # step 0: a user hook in the middle of the model raises on the ranks in `raising`
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT) as reducer:
+        # step 0: a user hook raises on the ranks in `raising`: in the middle of the model,
+        # or on the model's output (it runs before anything of the reducer's in backward)
         def boom(g):
             raise ValueError("user hook failed")
-        handle = model.layers[3].weight.register_hook(boom) if rank in raising else None
+        handle = model.layers[3].weight.register_hook(boom) if (
+            rank in raising and where == "middle") else None
         try:
-            loss_of(model(batch("mlp", rank, 0))).backward()
+            output = model(batch("mlp", rank, 0))
+            if rank in raising and where == "output":
+                output.register_hook(boom)
+            loss = loss_of(output)
+            if rank in raising and where == "loss":
+                loss = _FailInLoss.apply(loss)
+            loss.backward()
             out.append(("ok", None))
         except (ValueError, RuntimeError) as e:  # the user catches it and goes on
             out.append(("error", f"{type(e).__name__}: {e}"))
+            if where == "loss":
+                reducer.backward_failed()  # (the backward never reached the model)
         if handle is not None:
             handle.remove()
         for step in (1, 2, 3):
@@ -82,9 +102,11 @@ def _backward_raises(raising):
     return out
 
 
-@pytest.mark.parametrize("raising", [(0, 1), (1,)])
-def test_backward_that_raised_never_mixes(dist_run, raising):
-    results = dist_run(_backward_raises, raising, world_size=2, timeout=60)
+@pytest.mark.parametrize("raising,where", [((0, 1), "middle"), ((1,), "middle"),
+                                           ((1,), "output"), ((0, 1), "output"),
+                                           ((1,), "loss"), ((0, 1), "loss")])
+def test_backward_that_raised_never_mixes(dist_run, raising, where):
+    results = dist_run(_backward_raises, raising, where, world_size=2, timeout=60)
     for rank, steps in enumerate(results):
         # the failed step raised on every rank: where the hook raised, the user's error;
         # elsewhere the reducer's, naming the rank that failed
@@ -454,3 +476,30 @@ def test_state_loads_with_distributed_checkpoint(dist_run, kind):
                            world_size=2)
     for a, b in zip(straight, resumed):
         assert all(torch.equal(x, y) for x, y in zip(a, b))  # bit for bit
+
+
+def _extra_forward_then_recover():
+    """Rank 1 runs one training forward without a backward (no collective: the model has
+    no buffers): that step raises on every rank, and the steps after it average as usual."""
+    rank = dist.get_rank()
+    model = build("mlp")
+    out = []
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT):
+        for step in range(4):
+            model.zero_grad()
+            if rank == 1 and step == 1:
+                model(batch("mlp", rank, step))  # a forward without backward
+
+            def one():
+                loss_of(model(batch("mlp", rank, step))).backward()
+                return _max_error(model, _reference_grads("mlp", step))
+            out.append(_outcome(one))
+    return out
+
+
+def test_steps_after_a_step_mismatch_are_clean(dist_run):
+    results = dist_run(_extra_forward_then_recover, world_size=2, timeout=60)
+    for steps in results:
+        assert steps[1][0] == "error" and "same training step" in steps[1][1], steps[1]
+    _assert_never_mixed([[r[0], *r[2:]] for r in results], 3)
+    assert all(r[s][0] == "ok" for r in results for s in (0, 2, 3)), results

@@ -383,3 +383,37 @@ def test_close_finishes_the_communication_in_flight(dist_run):
     # started the backward that sends the other half of rank 0's allreduces
     assert closed0 >= started1, (closed0, started1)
     assert sum0 == sum1 == 2.0 and it0 == 1
+
+
+def _freed_without_the_collector(hook):
+    """After leaving the context and dropping the names, the reducer, its buckets' handles
+    and the model are freed by reference counting alone: nothing of theirs waits for a
+    garbage collection that may come after destroy_process_group() or at interpreter exit."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        model = build("mlp")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001) as reducer:
+            if hook:
+                reducer.register_comm_hook(None, getattr(tribucket.hooks, hook))
+            for step in range(2):
+                loss_of(model(batch("mlp", dist.get_rank(), step))).backward()
+                opt.step()
+                opt.zero_grad()
+        handles = [b.handle for b in reducer._bw.buckets]
+        refs = weakref.ref(reducer), weakref.ref(model)
+        del reducer, model, opt
+        return [h is None for h in handles], [r() is None for r in refs]
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("hook", [None, "fp16_compress_hook"])
+def test_a_closed_reducer_is_freed_without_the_collector(dist_run, hook):
+    for handles_dropped, freed in dist_run(_freed_without_the_collector, hook, world_size=2):
+        assert all(handles_dropped), handles_dropped
+        assert freed == [True, True], freed

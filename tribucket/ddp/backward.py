@@ -298,7 +298,7 @@ class Backward:
         if self.piggyback and len(p.errors) > p.status_errors:
             # misuse seen after the status was sent with the last bucket: this rank only
             self.status.raise_problems([], [0.0] * self.world_size, p.errors)
-        self.status.check_steps(status)  # before the gradients reach .grad
+        self._check_steps(status)  # before the gradients reach .grad
         counts = self.status.problems(status)
         if sum(counts) > 0:
             missing = ([] if cfg.dynamic_unused else
@@ -443,8 +443,35 @@ class Backward:
         for b in range(p.next_bucket, len(self.buckets)):
             self.buckets[b].launch(p, self.comm)
         p.next_bucket = len(self.buckets)
-        self._exchange_status(p, self._missing(p) + len(p.errors), self._local_used(p))
+        _, status, _ = self._exchange_status(p, self._missing(p) + len(p.errors),
+                                             self._local_used(p))
         self._forget_nosync_used()
+        try:
+            self._check_steps(status)
+        except RuntimeError:
+            pass  # this rank's user has an error already; the counts are aligned again
+
+    def _check_steps(self, status) -> None:
+        """Raise on every rank if the ranks are in the backward of different training steps;
+        every rank then counts its forwards afresh from here, together, so the steps after
+        the one that raised are compared (and averaged) as usual."""
+        try:
+            self.status.check_steps(status)
+        except RuntimeError:
+            self.forwards = 0
+            raise
+
+    def settle_unbegun(self) -> None:
+        """The last training forward's backward raised before any hook of the reducer ran
+        (in the loss's backward, before the model's output): settle it as
+        :meth:`settle_abandoned` does a pass that began. Nothing to do when a pass is under
+        way (it is settled), or when no forward awaits its backward."""
+        if self.pass_ is None and self.fwd_sync:
+            self._begin_pass()
+        elif self.pass_ is None:
+            self.fwd_sync = None
+            return
+        self.settle_abandoned()
 
     def agree_on_state(self) -> None:
         """At the first synchronised backward after entering or loading: every rank must hold

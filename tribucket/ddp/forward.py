@@ -96,10 +96,14 @@ class Forward:
             reached = reachable_parameters(outs)
             bw.unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
         # queue the end-of-backward callback from the outermost backward that reaches
-        # an output (a hook on the parameters could fire inside a reentrant backward)
+        # an output (a hook on the parameters could fire inside a reentrant backward). A
+        # hook on the tensor itself, registered before any the user adds to the output: it
+        # runs first, so a user hook on the output that raises leaves a pass begun, which
+        # the next forward settles (its collectives, a failure status) like any backward
+        # that raised
         for t in outs:
             if t.grad_fn is not None:
-                t.grad_fn.register_prehook(self.backward_start)
+                t.register_hook(self.backward_start)
 
     def shadow_iteration(self) -> None:
         """On a rank that ran out of inputs (``Join``): issue the collectives one iteration

@@ -203,6 +203,19 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         """Names of the averaged parameters; ``layout`` indices point into this list."""
         return list(self._names)
 
+    def backward_failed(self) -> None:
+        """Call where you catch an error raised by ``backward()`` on this rank, if the error
+        may have come before the backward reached the model (the loss's own backward, out of
+        memory): the reducer issues the collectives that backward owed its peers, with a
+        failure status, so every rank raises for this step and the next step is a clean
+        pass on every rank. A backward that raised inside the model, or in a hook on its
+        output, is settled by the next forward without this call; calling it then (or
+        twice) settles nothing more. Without it a backward that never reached the model
+        leaves this rank one step ahead of its peers."""
+        self._bw.settle_unbegun()
+        for r in self.expert_reducers:
+            r.backward_failed()
+
     @property
     def require_backward_grad_sync(self) -> bool:
         """Whether the next training forward's backward averages gradients (``True``) or
@@ -358,6 +371,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         e = self._bw.finish_in_flight()  # so no peer is left waiting
         for r in self.expert_reducers:
             r._close(raise_errors)
+        self._release()
         if e is None:
             return
         message = (f"tribucket (rank {self.rank}): close() finished the communication in "
@@ -365,6 +379,19 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         if raise_errors:
             raise RuntimeError(message) from e
         logger.error("%s", message)
+
+    def _release(self) -> None:
+        """After close: drop what references collectives and their buffers (the finished
+        works and futures of the last pass, the Join notification) and cut the reducer's
+        reference cycles, so none of it waits for the garbage collector. A gloo work freed
+        by a late collection, after ``destroy_process_group()`` or during interpreter
+        shutdown, is what aborts a process at exit ('terminate called without an active
+        exception')."""
+        bw = self._bw
+        for bucket in bw.buckets:
+            bucket.handle = None
+        bw.join_work = None
+        self._forward.joinable = self._forward.backward_start = None
 
     # ------------------------------------------------------------------ Joinable
     def join_hook(self, **kwargs: Any) -> JoinHook:

@@ -121,8 +121,11 @@ class Status:
             "backward, or one more backward than the others, so their gradients would mix "
             "two steps. This backward's gradients were not averaged. Run the same forwards "
             "(in training mode with grad enabled) and backwards on every rank; evaluate under "
-            "torch.no_grad() or model.eval(). debug=True names the first collective that "
-            "differs.")
+            "torch.no_grad() or model.eval(). If a backward raised on one rank before it "
+            "reached the model (an error in the loss's backward, out of memory), call "
+            "reducer.backward_failed() on that rank where you catch the error, so every rank "
+            "reports that step and the next one is in step. debug=True names the first "
+            "collective that differs.")
 
     def raise_problems(self, missing_names: list[str], counts: list[float],
                        errors: list[str]) -> None:
