@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import math
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -206,10 +207,15 @@ def _release():
     model = build("mlp")
     wrapped = tribucket.DistributedDataParallel(model)
     assert model._forward_pre_hooks, "the reducer attaches its forward hooks"
-    del wrapped
-    gc.collect()
-    assert not model._forward_pre_hooks and not model._forward_hooks, \
-        "a garbage-collected wrapper leaves its hooks on the module"
+    ref = weakref.ref(wrapped)
+    gc.disable()  # freed by reference counting alone, not by a later collection
+    try:
+        del wrapped
+        assert ref() is None, "the dropped wrapper is still referenced (a reference cycle?)"
+        assert not model._forward_pre_hooks and not model._forward_hooks, \
+            "a dropped wrapper leaves its hooks on the module"
+    finally:
+        gc.enable()
     again = tribucket.DistributedDataParallel(model)  # the parameters are free again
     loss_of(again(batch("mlp", rank, 0))).backward()
     averaged = [p.grad.clone() for p in model.parameters()]
