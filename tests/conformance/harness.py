@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import functools
 import json
 import os
 import sys

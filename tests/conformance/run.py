@@ -32,7 +32,6 @@ PAGE = ROOT / "docs" / "conformance.md"
 CONFIGS = ("cpu", "gpu")
 sys.path.insert(0, str(HERE))
 
-import differences  # noqa: E402
 import harness  # noqa: E402
 
 
