@@ -230,3 +230,169 @@ def _after_a_failed_backward(native_hooks):
 def test_steps_after_a_failed_backward_average(dist_run, native_hooks):
     for errors in dist_run(_after_a_failed_backward, native_hooks, world_size=2, timeout=60):
         assert errors == [(2, "ValueError")], errors
+
+
+# ---------------------------------------------------------------- building without blocking
+class _FakeBuilds:
+    """Stand in for the compiler (a real build takes minutes here): ``native._build`` copies
+    the extension already built into the folder after ``delay`` seconds (or raises), and
+    ``native.build_dir`` points at an empty folder, as on a fresh machine."""
+
+    def __init__(self, folder, delay=0.0, fail=None):
+        import pathlib
+
+        self.real = native.load()
+        self.folder, self.delay, self.fail = pathlib.Path(folder), delay, fail
+
+    def __enter__(self):
+        self.saved = (native._module, native._error, native._building, native.build_dir,
+                      native._build)
+        native._module = native._error = native._building = None
+        native.build_dir = lambda: self.folder
+        native._build = self.build
+        return self
+
+    def build(self, where):
+        import shutil
+        import time
+
+        with open(where / "builds.log", "a") as log:
+            log.write(f"{dist.get_rank()}\n")
+        time.sleep(self.delay)
+        if self.fail:
+            raise RuntimeError(self.fail)
+        shutil.copy(self.real.__file__, where / f"{native._NAME}.so")
+        return self.real
+
+    def __exit__(self, *exc):
+        if native._building is not None:
+            native._building.join(60)
+        (native._module, native._error, native._building, native.build_dir,
+         native._build) = self.saved
+
+
+def _trains_while_building(folder):
+    """A fresh machine: the first step runs at once on the Python hooks, the reducer moves
+    to the native hooks once the build is over, and the gradients match DDP's throughout."""
+    import time
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    with _FakeBuilds(f"{folder}/{rank}", delay=1.5):
+        mine, theirs = build("mlp", seed=0), build("mlp", seed=0)
+        ddp = DDP(theirs)
+        kinds, first_step_s = [], None
+        t0 = time.perf_counter()
+        with tribucket.fused_bucketing(mine) as reducer:
+            for step in range(40):
+                x = batch("mlp", rank, step)
+                loss_of(mine(x)).backward()
+                if first_step_s is None:
+                    first_step_s = time.perf_counter() - t0
+                loss_of(ddp(x)).backward()
+                assert all(torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+                           for a, b in zip(mine.parameters(), theirs.parameters())), step
+                kinds.append(reducer._bw.native is not NO_NATIVE)
+                mine.zero_grad()
+                theirs.zero_grad()
+                both = torch.tensor([float(kinds[-1])])
+                dist.all_reduce(both, op=dist.ReduceOp.MIN)  # ranks leave the loop together
+                if both.item() and step > 2:
+                    break
+                time.sleep(0.1)
+    return kinds, first_step_s
+
+
+@needs_native
+def test_training_starts_while_the_hooks_build(dist_run, tmp_path):
+    for kinds, first_step_s in dist_run(_trains_while_building, str(tmp_path), world_size=2):
+        assert not kinds[0], "the first step waited for the build"
+        assert kinds[-1], f"never switched to the native hooks: {kinds}"
+        assert kinds == sorted(kinds), kinds  # Python, then native: switched once
+        assert first_step_s < 1.5, first_step_s  # before the (fake) compiler finished
+
+
+def _one_build_for_two_processes(folder):
+    with _FakeBuilds(folder, delay=1.0):
+        ext = native.load()
+        with open(f"{folder}/builds.log") as log:
+            return ext is not None, log.read().split()
+
+
+@needs_native
+def test_processes_sharing_a_cache_build_once(dist_run, tmp_path):
+    results = dist_run(_one_build_for_two_processes, str(tmp_path), world_size=2)
+    assert [ok for ok, _ in results] == [True, True]
+    assert len(results[0][1]) == 1, results  # one compile; the other process imported it
+
+
+def _failing_build(folder, required):
+    """A compiler that fails, with a stale torch lock file left in the folder by a build
+    that was killed: training goes on on the Python hooks (or native_hooks=True raises)."""
+    import os
+    import time
+
+    os.makedirs(f"{folder}/build", exist_ok=True)
+    open(f"{folder}/build/lock", "w").close()
+    with _FakeBuilds(folder, delay=0.2, fail="c++: internal compiler error"):
+        model = build("mlp", seed=0)
+        try:
+            with tribucket.fused_bucketing(model, native_hooks=required) as reducer:
+                for step in range(8):
+                    loss_of(model(batch("mlp", dist.get_rank(), step))).backward()
+                    model.zero_grad()
+                    time.sleep(0.1)
+                return "python", reducer._bw.native is NO_NATIVE
+        except RuntimeError as e:
+            return "error", str(e)
+
+
+@needs_native
+def test_a_failing_build_never_blocks_training(dist_run, tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for kind, detail in dist_run(_failing_build, str(tmp_path / "a"), None, world_size=2):
+            assert (kind, detail) == ("python", True)
+        for kind, detail in dist_run(_failing_build, str(tmp_path / "b"), True, world_size=2):
+            assert kind == "error" and "internal compiler error" in detail, detail
+
+
+def _unwritable_cache(required):
+    import os
+
+    saved = (native._module, native._error, native._building, os.environ.get(
+        "TORCH_EXTENSIONS_DIR"))
+    native._module = native._error = native._building = None
+    os.environ["TORCH_EXTENSIONS_DIR"] = "/dev/null/cache"  # under a file: never writable
+    try:
+        model = build("mlp", seed=0)
+        try:
+            with tribucket.fused_bucketing(model, native_hooks=required) as reducer:
+                loss_of(model(batch("mlp", dist.get_rank(), 0))).backward()
+                if native._building is not None:
+                    native._building.join(30)
+                loss_of(model(batch("mlp", dist.get_rank(), 1))).backward()
+                return "python", reducer._bw.native is NO_NATIVE
+        except RuntimeError as e:
+            return "error", str(e)
+    finally:
+        if native._building is not None:
+            native._building.join(30)
+        native._module, native._error, native._building, env = saved
+        os.environ.pop("TORCH_EXTENSIONS_DIR")
+        if env is not None:
+            os.environ["TORCH_EXTENSIONS_DIR"] = env
+
+
+def test_an_unwritable_cache_falls_back_or_raises(dist_run):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for kind, detail in dist_run(_unwritable_cache, None, world_size=2):
+            assert (kind, detail) == ("python", True)
+        for kind, detail in dist_run(_unwritable_cache, True, world_size=2):
+            assert kind == "error" and "native_hooks=True" in detail, detail

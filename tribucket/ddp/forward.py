@@ -42,6 +42,7 @@ class Forward:
         self.params, self.buffers, self.world_size = params, buffers, world_size
         self.joinable, self.backward_start = joinable, backward_start
         self.require_param_sync = True  # broadcast buffers before the next forward
+        self.step_boundary: Callable | None = None  # called before each training forward
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         joining = self.joinable._join_config.enable
@@ -57,6 +58,8 @@ class Forward:
             return
         if bw.pass_ is not None and torch._C._current_graph_task_id() == -1:
             bw.settle_abandoned()  # outside any backward: the last one raised
+        if self.step_boundary is not None and bw.pass_ is None:
+            self.step_boundary()
         self.guard.step = bw.forwards
         if joining:
             bw.join_work = Join.notify_join_context(self.joinable)

@@ -23,6 +23,7 @@ import hashlib
 import importlib.util
 import os
 import pathlib
+import shutil
 import sys
 import threading
 import warnings
@@ -35,16 +36,36 @@ __all__ = ["NO_NATIVE", "NativeHooks", "load", "unavailable_reason"]
 _SOURCE = pathlib.Path(__file__).with_name("ready_hooks.cpp")
 _NAME = "tribucket_ready_hooks"
 _lock = threading.Lock()
+_start_lock = threading.Lock()
 _module = None
 _error: str | None = None
+_building: threading.Thread | None = None  # the background build of this process
 
 
-def load():
+def load(wait: bool = True):
     """The compiled extension, or None when it cannot be built (see
-    :func:`unavailable_reason`)."""
-    global _module, _error
+    :func:`unavailable_reason`).
+
+    ``wait=False``: the extension if it is built already (importing a cached binary takes
+    milliseconds), else None at once, with the build started in a background thread of
+    this process (once; :func:`ready` tells when it is over). Processes sharing a machine
+    build it once between them: the others wait for that build in their own thread."""
+    global _module, _error, _building
     if _module is not None or _error is not None:
         return _module
+    if not wait:
+        try:
+            cached = (build_dir() / f"{_NAME}.so").exists()
+        except Exception:  # noqa: BLE001 - the blocking load reports it
+            cached = True
+        if cached:
+            return load()
+        with _start_lock:
+            if _building is None:
+                _building = threading.Thread(target=load, name="tribucket-native-build",
+                                             daemon=True)
+                _building.start()
+        return None
     with _lock:
         if _module is None and _error is None:
             try:
@@ -58,6 +79,11 @@ def load():
                               "pass native_hooks=False to silence this.", RuntimeWarning,
                               stacklevel=3)
     return _module
+
+
+def ready() -> bool:
+    """Whether :func:`load` has its answer (the extension, or why not) without waiting."""
+    return _module is not None or _error is not None
 
 
 def build_dir() -> pathlib.Path:
@@ -89,19 +115,25 @@ def _load_or_build(where: pathlib.Path):
 
 
 def _build(where: pathlib.Path):
+    """Compile into ``where/build`` (from scratch: we hold the folder's flock, so anything
+    there is left by a build that was killed), then move the binary into place in one
+    rename: a binary at its final path is always whole."""
     from torch.utils.cpp_extension import load as build
 
-    # we hold the folder's flock: a lock file of torch's here is left by a killed build
-    (where / "lock").unlink(missing_ok=True)
+    scratch = where / "build"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
     path = os.environ.get("PATH", "")
     try:
         # the pip-installed ninja, even when its environment is not activated
         if _ninja_dir():
             os.environ["PATH"] = _ninja_dir() + os.pathsep + path
-        return build(_NAME, [str(_SOURCE)], extra_cflags=["-O2"],
-                     build_directory=str(where), verbose=False)
+        module = build(_NAME, [str(_SOURCE)], extra_cflags=["-O2"],
+                       build_directory=str(scratch), verbose=False)
     finally:
         os.environ["PATH"] = path
+    os.replace(scratch / f"{_NAME}.so", where / f"{_NAME}.so")
+    return module
 
 
 def _import(binary: pathlib.Path):

@@ -100,6 +100,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
             release(self, view.params)
             raise
         self._lent_to = None  # a hook state given the timed group (given back at close)
+        self._python_hooks: list = []  # their handles, while the Python hooks count
 
         # how buckets are communicated (register_comm_hook may replace the hook)
         self._comm = Comm(self._guard, None, None, _hook_traits(None, None), self._guard.group,
@@ -133,23 +134,56 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
 
     def _attach(self) -> None:
         bw, module = self._bw, self.module
-        ext = None if self.config.native_hooks is False else native.load()
-        if ext is None and self.config.native_hooks:
+        wanted = self.config.native_hooks
+        # None: the native hooks if they are built, else the Python ones while they build in
+        # the background (no rank waits for a compiler), switching at a step boundary
+        ext = None if wanted is False else native.load(wait=wanted is True)
+        if ext is None and wanted:
             raise RuntimeError("tribucket: native_hooks=True but the native gradient hooks "
                                f"could not be built ({native.unavailable_reason()}); install "
                                "a C++ compiler and `ninja`, or leave native_hooks unset")
         if ext is not None:
-            bw.native = native.NativeHooks(ext, self._params, bw)
-            self._handles.append(bw.native)  # remove() takes its hooks off
+            self._use_native(ext)
         else:
-            for p, hook in zip(self._params, bw.grad_hooks):  # tied parameters appear once
+            self._python_hooks = [  # tied parameters appear once
                 # the bound method: torch calls it through the vectorcall fast path, an
                 # object with __call__ through slot_tp_call (~300 instructions more each)
-                self._handles.append(p.register_post_accumulate_grad_hook(hook.__call__))
+                p.register_post_accumulate_grad_hook(hook.__call__)
+                for p, hook in zip(self._params, bw.grad_hooks)]
+            self._handles.extend(self._python_hooks)
+            if wanted is None and not native.ready():
+                self._forward.step_boundary = self._hook_ref(self, "_switch_to_native")
+                if self.rank == 0:
+                    logger.warning(
+                        "tribucket: compiling the native gradient hooks in the background "
+                        "(once per machine, ~30 s); training runs on the Python hooks (same "
+                        "results) meanwhile. `python -m tribucket.build` compiles them ahead "
+                        "of time.")
         self._handles.append(module.register_forward_pre_hook(
             self._hook_ref(self._forward, "pre_forward")))
         self._handles.append(module.register_forward_hook(
             self._hook_ref(self._forward, "post_forward")))
+
+    def _use_native(self, ext) -> None:
+        self._bw.native = native.NativeHooks(ext, self._params, self._bw)
+        self._handles.append(self._bw.native)  # remove() takes its hooks off
+
+    def _switch_to_native(self) -> None:
+        """At a step boundary (a training forward, no backward under way): once the
+        background build is over, move from the Python hooks to the native ones, or stay on
+        the Python ones if it failed. Each rank switches on its own: the two count the same
+        gradients into the same buckets in the same order, so results do not change."""
+        if not native.ready():
+            return
+        self._forward.step_boundary = None
+        ext = native.load()
+        if ext is None or self._bw.closed:
+            return
+        for h in self._python_hooks:
+            h.remove()
+            self._handles.remove(h)
+        self._python_hooks = []
+        self._use_native(ext)
 
     def _hook_ref(self, target: Any, method: str, *args: Any) -> HookRef:
         ref = HookRef(target, method, args)
@@ -392,6 +426,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
             bucket.handle = None
         bw.join_work = None
         self._forward.joinable = self._forward.backward_start = None
+        self._forward.step_boundary = None
 
     # ------------------------------------------------------------------ Joinable
     def join_hook(self, **kwargs: Any) -> JoinHook:
