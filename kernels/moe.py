@@ -545,7 +545,8 @@ def grouped_matmul(x_RI: torch.Tensor, w_GIO: torch.Tensor, counts: list[int] | 
         x_RI, w_GIO = x_RI.contiguous(), w_GIO.contiguous()
         offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32,
                             device=x_RI.device)
-        return _torch_grouped_mm()(x_RI, w_GIO, offs=offs)
+        # its backward refuses gradients with zero strides (``y.sum()``'s): make them dense
+        return _DenseGrad.apply(_torch_grouped_mm()(x_RI, w_GIO, offs=offs))
     if impl == "loop":
         parts = [x @ w_GIO[g] for g, x in enumerate(x_RI.split(list(counts)))]
         return torch.cat(parts) if parts else x_RI.new_empty(0, w_GIO.shape[2])
@@ -554,3 +555,15 @@ def grouped_matmul(x_RI: torch.Tensor, w_GIO: torch.Tensor, counts: list[int] | 
     mask_GC = torch.arange(C, device=x_RI.device) < torch.tensor(counts, device=x_RI.device)[:, None]
     pad_GCI = x_RI.new_zeros(G, C, x_RI.shape[1]).masked_scatter(mask_GC[..., None], x_RI)
     return torch.bmm(pad_GCI, w_GIO)[mask_GC]
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()

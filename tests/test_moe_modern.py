@@ -84,10 +84,14 @@ def test_grouped_matmul_equals_a_matmul_per_group(impl, dtype, atol):
     gx, gw = torch.autograd.grad(y, (x, w), g)
     xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     ref = torch.cat([a @ wf[i] for i, a in enumerate(xf.split(counts))])
-    rx, rw = torch.autograd.grad(ref, (xf, wf), g.float())
+    rx, rw = torch.autograd.grad(ref, (xf, wf), g.float(), retain_graph=True)
     assert y.shape == ref.shape and y.dtype == dtype
     for name, a, b in (("y", y, ref), ("x.grad", gx, rx), ("w.grad", gw, rw)):
         _close(f"{impl} {name}", a.float(), b, atol=atol, rtol=atol)
+    # a gradient with zero strides (what y.sum() sends back) works too
+    gw_sum, = torch.autograd.grad(grouped_matmul(x, w, counts, impl=impl).sum(), (w,))
+    _close(f"{impl} w.grad of y.sum()", gw_sum.float(),
+           torch.autograd.grad(ref.sum(), (wf,))[0], atol=atol, rtol=atol)
     empty = grouped_matmul(x[:0], w, [0] * 5, impl=impl)
     assert empty.shape == (0, 16)
     with pytest.raises(ValueError, match="one entry per group"):
