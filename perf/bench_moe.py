@@ -543,6 +543,21 @@ def _external(args) -> dict:
             got = _spawn(external.external_worker, W, a)[0][0]
             runs.append(dict(size=size, capacity_factor=cf, steps=n_steps, warmup=args.ext_warmup,
                              load_avg_1min=dict(before=load, after=os.getloadavg()[0]), **got))
+    targets = _ext_targets(runs)
+    result = dict(config=dict(world_size=W, top_k=external.TOP_K, sizes=external.SIZES,
+                              dtype="float32", threads_per_rank=1, backend="gloo (CPU processes)",
+                              expert="SwiGLU (w1, w2, w3; no bias)"),
+                  machine=_machine(load_before), runs=runs, targets=targets)
+    return _write("moe_external", result, external.external_table, external.external_plot)
+
+
+def _ext_targets(runs: list) -> dict:
+    """The external comparison's targets from its runs (paired medians of per-step ratios).
+
+    The compute floor is one process on the machine: on a 2-core machine shared with other
+    jobs its wall time gets more of the cores than each of the layer's two ranks, so the
+    per-rank CPU ratio (the layer's CPU seconds over both ranks / 2, against the floor's) is
+    given beside the wall ratio, for information; the targets are judged on wall time."""
     targets = {}
     for run in runs:
         if run["capacity_factor"] is not None:
@@ -560,16 +575,16 @@ def _external(args) -> dict:
             v = statistics.median(a / b for a, b in zip(ours, rows[external.FLOOR]["steps_ms"]))
             targets[f"{size} layer / compute floor"] = dict(threshold=1.25, value=v,
                                                             met=v <= 1.25, kind="at most")
+            f, t = rows[external.FLOOR]["cpu_steps_ms"], rows["tribucket MoELayer"]["cpu_steps_ms"]
+            v = statistics.median(a / 2 / b for a, b in zip(t, f))
+            targets[f"{size} layer / compute floor, CPU per rank (information)"] = dict(
+                threshold=1.25, value=v, met=v <= 1.25, kind="at most")
         bare = rows.get("tribucket MoELayer, no shared expert")
         if bare is not None:
             v = statistics.median(a / b for a, b in zip(ours, bare["steps_ms"]))
             targets[f"{size} with / without the shared expert"] = dict(
                 threshold=1.05, value=v, met=v <= 1.05, kind="at most")
-    result = dict(config=dict(world_size=W, top_k=external.TOP_K, sizes=external.SIZES,
-                              dtype="float32", threads_per_rank=1, backend="gloo (CPU processes)",
-                              expert="SwiGLU (w1, w2, w3; no bias)"),
-                  machine=_machine(load_before), runs=runs, targets=targets)
-    return _write("moe_external", result, external.external_table, external.external_plot)
+    return targets
 
 
 #: (size, baseline) -> tribucket's speed-up wanted (1.1x where not listed)
