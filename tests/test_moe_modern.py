@@ -23,7 +23,7 @@ from tribucket.kernels.moe import grouped_matmul, grouped_mm_available
 from test_moe import _CountCollectives
 from test_moe_training import _Net
 from tribucket.moe import (GELUExpert, GroupedExperts, MoELayer, SwiGLUExpert, balance_after_step,
-                           expert_data_parallel_groups, update_routing_biases)
+                           expert_data_parallel_groups, gathered_experts, update_routing_biases)
 
 D, F = 12, 8  # model and expert hidden width
 
@@ -382,9 +382,18 @@ def _overlap_order_worker():
         layer(x).sum().backward()
     finally:
         dist.all_to_all_single = real
+    order = list(log)
     with _CountCollectives() as counted:  # the bias update needs no collective
         update_routing_biases(layer)
-    return log, counted.calls, layer.expert_bias
+    # every expert on this rank (grouped experts unstacked, shared expert, bias): the same y
+    # as the expert-parallel forward, with no collective
+    with torch.no_grad():
+        y_ep = layer(x)
+        with gathered_experts(layer), _CountCollectives() as inside:
+            y_here = layer(x)
+    torch.testing.assert_close(y_here, y_ep, atol=1e-5, rtol=1e-5)
+    assert inside.calls == [], inside.calls
+    return order, counted.calls, layer.expert_bias
 
 
 @pytest.mark.dist
