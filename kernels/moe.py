@@ -496,11 +496,11 @@ _GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
 
 def pick_grouped_impl(device: torch.device | str, dtype: torch.dtype) -> str:
     """What ``impl="auto"`` runs. Measured on a 2-core CPU, torch 2.13, forward + backward
-    (``perf/bench_moe.py --part grouped``): fp32 ``grouped_mm`` beats the loop (1.1-1.8x) and
-    the padded bmm (2x); bf16 ``grouped_mm`` is 1.6x slower than the loop, so on CPU only
-    fp32 takes it. On GPU torch's grouped GEMM is the kernel torchtitan and Megatron run (bf16
-    on sm_90); it is taken wherever it runs. The padded bmm never won: it is there for
-    torches without either."""
+    (``perf/bench_moe.py --part grouped``, results in ``perf/results/moe_grouped.md``): in fp32
+    torch's grouped GEMM is as fast as the loop or faster, the padded bmm slower than both;
+    in bf16 the grouped GEMM is slower than the loop, so on CPU only fp32 takes it. On GPU
+    the grouped GEMM is the kernel torchtitan and Megatron run (bf16 on sm_90): it is taken
+    wherever it runs (not measured here: this machine has no GPU)."""
     if torch.device(device).type == "cpu" and dtype != torch.float32:
         return "loop"
     return "grouped_mm" if grouped_mm_available(device, dtype) else "loop"
@@ -547,8 +547,8 @@ def grouped_matmul(x_RI: torch.Tensor, w_GIO: torch.Tensor, counts: list[int] | 
                             device=x_RI.device)
         # its backward refuses gradients with zero strides (``y.sum()``'s): make them dense
         return _DenseGrad.apply(_torch_grouped_mm()(x_RI, w_GIO, offs=offs))
-    if impl == "loop":
-        parts = [x @ w_GIO[g] for g, x in enumerate(x_RI.split(list(counts)))]
+    if impl == "loop":  # unbind: one gradient for the stacked weight, not one per slice
+        parts = [x @ w for x, w in zip(x_RI.split(list(counts)), w_GIO.unbind(0))]
         return torch.cat(parts) if parts else x_RI.new_empty(0, w_GIO.shape[2])
     # bmm: [G, C, I] with the groups padded to the largest count C
     C = max(counts, default=0)
