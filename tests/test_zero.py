@@ -380,3 +380,58 @@ def test_shard_bookkeeping():
                 for p in shard.pieces:
                     seen[p.param][p.param_start:p.param_start + p.length] += 1
         assert all(bool((s == 1).all()) for s in seen), world
+
+
+class _TrustRatioAdamW(torch.optim.AdamW):
+    """A LAMB-style AdamW subclass: its update is not elementwise."""
+
+
+def test_subclasses_of_elementwise_optimizers_are_not_assumed_elementwise():
+    with pytest.raises(ValueError, match="subclasses AdamW.*assume_elementwise=True"):
+        ShardedOptimizer(object(), _TrustRatioAdamW)
+
+
+def _disagreeing(what):
+    rank = dist.get_rank()
+    model = _build()
+    with tribucket.fused_bucketing(model, shard_optimizer=True) as reducer:
+        kwargs = {"lr": 1e-3 * (1 + rank)} if what == "lr" else {"lr": 1e-3}
+        cls = torch.optim.AdamW if (what != "class" or rank == 0) else torch.optim.Adam
+        try:
+            ShardedOptimizer(reducer, cls, **kwargs)
+        except RuntimeError as e:
+            return str(e)
+    return None
+
+
+@pytest.mark.parametrize("what", ["lr", "class"])
+def test_optimizers_that_differ_across_ranks_are_refused(dist_run, what):
+    for msg in dist_run(_disagreeing, what, world_size=2):
+        assert msg is not None and "rank 1" in msg, msg
+        assert ("hyperparameters" if what == "lr" else "optimizer class") in msg, msg
+
+
+def _later_group_and_scaler():
+    model = _build()
+    out = []
+    with tribucket.fused_bucketing(model, shard_optimizer=True) as reducer:
+        opt = ShardedOptimizer(reducer, torch.optim.SGD, lr=0.1)
+        try:
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+        except RuntimeError as e:
+            out.append(str(e))
+        scaler = tribucket.amp.GradScaler("cpu")
+        model(_batch(dist.get_rank(), 0)).square().mean().backward()
+        for call in (scaler.unscale_, scaler.step):
+            try:
+                call(opt)
+            except TypeError as e:
+                out.append(str(e))
+    return out
+
+
+def test_add_param_group_and_grad_scaler_are_refused_with_the_reason(dist_run):
+    msgs = dist_run(_later_group_and_scaler, world_size=2)[0]
+    assert len(msgs) == 3, msgs
+    assert "add a param group" in msgs[0] and "separate torch optimizer" in msgs[0]
+    assert all("ShardedOptimizer" in m and "bf16" in m for m in msgs[1:]), msgs

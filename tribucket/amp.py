@@ -37,6 +37,17 @@ def _grad_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor] | None:
     return params
 
 
+def _refuse_sharded(optimizer: Any) -> None:
+    from .zero import ShardedOptimizer
+
+    if isinstance(optimizer, ShardedOptimizer):
+        raise TypeError(
+            "GradScaler cannot drive a tribucket.ShardedOptimizer: its gradients live in the "
+            "reducer's bucket shards, not in .grad, so the scaler has nothing to unscale or "
+            "check for inf/NaN. Train with bf16 autocast (no loss scaling needed), or use "
+            "fused_bucketing without shard_optimizer and a plain optimizer with this scaler")
+
+
 class GradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` whose inf/NaN check is the reducer's ``found_inf``.
 
@@ -55,6 +66,14 @@ class GradScaler(torch.amp.GradScaler):
                 scaler.update()
                 opt.zero_grad()
     """
+
+    def unscale_(self, optimizer) -> None:
+        _refuse_sharded(optimizer)
+        return super().unscale_(optimizer)
+
+    def step(self, optimizer, *args: Any, **kwargs: Any):
+        _refuse_sharded(optimizer)
+        return super().step(optimizer, *args, **kwargs)
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                         found_inf: torch.Tensor, allow_fp16: bool) -> dict:

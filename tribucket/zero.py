@@ -49,9 +49,17 @@ def _check_optimizer_class(cls: Any, assume_elementwise: bool) -> None:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. "
                         f"torch.optim.AdamW), got {cls!r}")
-    if assume_elementwise or issubclass(cls, ELEMENTWISE_OPTIMIZERS):
+    if assume_elementwise or cls in ELEMENTWISE_OPTIMIZERS:
         return
     names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    base = next((c for c in cls.__mro__ if c in ELEMENTWISE_OPTIMIZERS), None)
+    if base is not None:
+        raise ValueError(
+            f"{cls.__name__} subclasses {base.__name__} but may not update elementwise as it "
+            "does (a LAMB-style trust ratio, a per-parameter norm): ShardedOptimizer steps "
+            "flat 1/world slices of the buckets, where such an update would be computed on "
+            "slices instead of whole parameters. If its update of each element depends only "
+            "on that element, its gradient and state, pass assume_elementwise=True.")
     raise ValueError(
         f"{cls.__name__} cannot be sharded: ShardedOptimizer steps flat 1/world slices of the "
         "buckets, so the update of each element must depend only on that element (its value, "
@@ -59,6 +67,32 @@ def _check_optimizer_class(cls: Any, assume_elementwise: bool) -> None:
         "matrix state or norms (Adafactor, Muon, LBFGS, LAMB-style trust ratios...) need whole "
         f"parameters. Sharded optimizers known to be elementwise: {names}. If yours is "
         "elementwise too, pass assume_elementwise=True.")
+
+
+def _agree_across_ranks(reducer, cls: type, params: Any, assume_elementwise: bool,
+                        overlap: bool, defaults: dict) -> None:
+    """Every rank must build the same optimizer: each steps its own slice of the buckets,
+    so a different class or hyperparameter on one rank would be applied to its slice alone,
+    silently. One all-gather of a description of it, at construction."""
+    groups = []
+    if isinstance(params, list):
+        groups = [sorted((k, repr(v)) for k, v in g.items() if k != "params")
+                  for g in params if isinstance(g, dict)]
+    mine = (f"{cls.__module__}.{cls.__qualname__}", assume_elementwise, bool(overlap),
+            sorted((k, repr(v)) for k, v in defaults.items()), groups)
+    every: list = [None] * reducer.world_size
+    dist.all_gather_object(every, mine, group=reducer.process_group)
+    fields = ("optimizer class", "assume_elementwise", "overlap_param_gather",
+              "hyperparameters", "param group hyperparameters")
+    for r, theirs in enumerate(every):
+        for name, a, b in zip(fields, every[0], theirs):
+            if a != b:
+                raise RuntimeError(
+                    f"ShardedOptimizer (rank {reducer.rank}): rank {r} builds it with "
+                    f"{name} {b!r} but rank 0 with {a!r}; each rank steps its own slice of "
+                    "the gradients, so every rank must build the same optimizer with the same "
+                    "hyperparameters")
+    return None
 
 
 def _normalize_groups(params: Any) -> list[dict]:
@@ -137,6 +171,10 @@ class ShardedOptimizer:
                  **defaults: Any):
         _check_optimizer_class(optimizer_class, assume_elementwise)
         shards = reducer.shards  # raises unless the reducer shards
+        if params is not None and not isinstance(params, torch.Tensor):
+            params = list(params)  # (read twice: a generator would be spent)
+        _agree_across_ranks(reducer, optimizer_class, params, assume_elementwise,
+                            overlap_param_gather, defaults)
         self.reducer = reducer
         self._group = reducer.process_group
         self._world, self._rank = reducer.world_size, reducer.rank
@@ -257,6 +295,16 @@ class ShardedOptimizer:
         """The wrapped optimizer's groups: one per original group, same options (an LR
         scheduler may be given this object or ``self.optim``)."""
         return self.optim.param_groups
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused: the shards are slices of the reducer's buckets, laid out when
+        ``fused_bucketing`` was entered, so parameters cannot join later."""
+        raise RuntimeError(
+            "ShardedOptimizer cannot add a param group after construction: its shards are "
+            "slices of the reducer's buckets, fixed when fused_bucketing was entered. Pass "
+            "every param group to the constructor (a group's lr and other options can still "
+            "change through param_groups), or give the new parameters to a separate torch "
+            "optimizer (ignore_parameters keeps them out of the reducer)")
 
     @property
     def state(self):
