@@ -6,15 +6,15 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tribucket-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test venv bench gpu-check clean
+.PHONY: demo test venv bench gpu-check conformance clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo ">> installing $(TORCH_PIN) (CPU build) first, then tribucket[test,perf,integrations]"
+	@echo ">> installing $(TORCH_PIN) (CPU build) first, then tribucket[test,perf,conformance,integrations]"
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,perf]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,perf,conformance]'
 	@# the real-model suite's libraries, after torch; naming $(TORCH_PIN) again in the same
 	@# command makes pip keep it (a dependency asking for another torch fails the install)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[integrations]' $(TORCH_PIN)
@@ -38,6 +38,12 @@ bench: $(STAMP)
 # kernel report) into perf/results/gpu/; refuses with the reason on a machine without one.
 gpu-check: $(STAMP)
 	$(PY) perf/gpu_check.py $(ARGS)
+
+# torch's own DDP tests through tribucket.DistributedDataParallel, in torch's CPU configuration
+# and with the GPU-gated tests run on the CPU; writes docs/conformance.md against DDP's recorded
+# baseline (re-record it: make conformance ARGS="--impl ddp").
+conformance: $(STAMP)
+	$(PY) tests/conformance/run.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -28,6 +28,7 @@ kernel definitions importable and ``backend="triton"`` raises a clear error.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -71,6 +72,10 @@ __all__ = [
     "moe_unpermute_backward",
     "permute_tokens",
     "unpermute_tokens",
+    "grouped_matmul",
+    "grouped_mm_available",
+    "pick_grouped_impl",
+    "GROUPED_IMPLS",
     "HAVE_TRITON",
 ]
 
@@ -452,3 +457,113 @@ def unpermute_tokens(rows_ND: torch.Tensor, dest_TK: torch.Tensor,
     ``grad_y``) on the PyTorch path; on the Triton path their gradient is left unwritten.
     """
     return _Unpermute.apply(rows_ND, dest_TK, weights_TK, backend, slot_N, dead_rows)
+
+
+# ---------------------------------------------------------------------------------------
+# grouped matmul: every local expert's rows times its own weight, one call
+# ---------------------------------------------------------------------------------------
+#: the ways :func:`grouped_matmul` can run: torch's grouped GEMM, one padded bmm, a loop of mm
+GROUPED_IMPLS = ("auto", "grouped_mm", "bmm", "loop")
+
+
+def _torch_grouped_mm():
+    """torch's grouped GEMM (``F.grouped_mm``, else ``torch._grouped_mm``), or None."""
+    fn = getattr(torch.nn.functional, "grouped_mm", None)
+    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_available(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM runs here (tried once per device type and dtype)."""
+    key = (torch.device(device).type, dtype)
+    if key not in _GROUPED_MM_WORKS:
+        fn = _torch_grouped_mm()
+        ok = False
+        if fn is not None:
+            try:  # 2 groups of 1 and 2 rows, 16-wide: the smallest call that exercises offsets
+                a = torch.ones(3, 16, device=device, dtype=dtype)
+                b = torch.ones(2, 16, 16, device=device, dtype=dtype)
+                offs = torch.tensor([1, 3], device=device, dtype=torch.int32)
+                ok = bool(torch.allclose(fn(a, b, offs=offs).float(),
+                                         torch.full((3, 16), 16.0, device=device)))
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+        _GROUPED_MM_WORKS[key] = ok
+    return _GROUPED_MM_WORKS[key]
+
+
+_GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def pick_grouped_impl(device: torch.device | str, dtype: torch.dtype) -> str:
+    """What ``impl="auto"`` runs. Measured on a 2-core CPU, torch 2.13, forward + backward
+    (``perf/bench_moe.py --part grouped``, results in ``perf/results/moe_grouped.md``): in fp32
+    torch's grouped GEMM is as fast as the loop or faster, the padded bmm slower than both;
+    in bf16 the grouped GEMM is slower than the loop, so on CPU only fp32 takes it. On GPU
+    the grouped GEMM is the kernel torchtitan and Megatron run (bf16 on sm_90): it is taken
+    wherever it runs (not measured here: this machine has no GPU)."""
+    if torch.device(device).type == "cpu" and dtype != torch.float32:
+        return "loop"
+    return "grouped_mm" if grouped_mm_available(device, dtype) else "loop"
+
+
+def grouped_matmul(x_RI: torch.Tensor, w_GIO: torch.Tensor, counts: list[int] | tuple[int, ...],
+                   *, impl: str = "auto") -> torch.Tensor:
+    """``y[rows of group g] = x[rows of group g] @ w_GIO[g]``: G matmuls in one call.
+
+    ``x_RI`` holds the groups' rows one after another (``counts[g]`` rows for group ``g``,
+    ``sum(counts) == R``); the result is ``[R, O]`` in the same order. Differentiable in
+    both operands. Example: counts ``[1, 2]``, rows ``[a, b0, b1]`` -> ``[a @ w[0], b0 @
+    w[1], b1 @ w[1]]``.
+
+    ``impl``: ``"grouped_mm"`` (torch's grouped GEMM, ``torch.nn.functional.grouped_mm`` /
+    ``torch._grouped_mm``: one kernel over every group), ``"bmm"`` (pad every group to the
+    largest, one ``bmm``: wasted work when the counts are uneven), ``"loop"`` (one ``mm``
+    per group), ``"auto"``: :func:`pick_grouped_impl`.
+    """
+    if impl not in GROUPED_IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {GROUPED_IMPLS}")
+    if x_RI.dim() != 2 or w_GIO.dim() != 3 or x_RI.shape[1] != w_GIO.shape[1]:
+        raise ValueError(f"grouped_matmul needs x [R, I] and w [G, I, O], got "
+                         f"{tuple(x_RI.shape)} and {tuple(w_GIO.shape)}")
+    G = w_GIO.shape[0]
+    if len(counts) != G or sum(counts) != x_RI.shape[0]:
+        raise ValueError(f"counts {list(counts)} must have one entry per group ({G}) adding up "
+                         f"to x's {x_RI.shape[0]} rows")
+    # torch's grouped GEMM needs rows of a multiple of 16 bytes (I and O: 4 fp32, 8 bf16)
+    aligned = all(n * x_RI.element_size() % 16 == 0 for n in w_GIO.shape[1:])
+    if impl == "auto":
+        impl = pick_grouped_impl(x_RI.device, x_RI.dtype) if aligned else "loop"
+    if impl == "grouped_mm":
+        if not grouped_mm_available(x_RI.device, x_RI.dtype):
+            raise RuntimeError(f"torch {torch.__version__} has no grouped GEMM for "
+                               f"{x_RI.device.type} {x_RI.dtype}: pass impl='loop' or 'bmm'")
+        if not aligned:
+            raise ValueError(f"impl='grouped_mm' needs w's last two dimensions "
+                             f"{tuple(w_GIO.shape[1:])} to be multiples of 16 bytes "
+                             f"({16 // x_RI.element_size()} {x_RI.dtype} elements): pad them, or "
+                             f"pass impl='auto' (then such shapes run the loop)")
+        x_RI, w_GIO = x_RI.contiguous(), w_GIO.contiguous()
+        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32,
+                            device=x_RI.device)
+        # its backward refuses gradients with zero strides (``y.sum()``'s): make them dense
+        return _DenseGrad.apply(_torch_grouped_mm()(x_RI, w_GIO, offs=offs))
+    if impl == "loop":  # unbind: one gradient for the stacked weight, not one per slice
+        parts = [x @ w for x, w in zip(x_RI.split(list(counts)), w_GIO.unbind(0))]
+        return torch.cat(parts) if parts else x_RI.new_empty(0, w_GIO.shape[2])
+    # bmm: [G, C, I] with the groups padded to the largest count C
+    C = max(counts, default=0)
+    mask_GC = torch.arange(C, device=x_RI.device) < torch.tensor(counts, device=x_RI.device)[:, None]
+    pad_GCI = x_RI.new_zeros(G, C, x_RI.shape[1]).masked_scatter(mask_GC[..., None], x_RI)
+    return torch.bmm(pad_GCI, w_GIO)[mask_GC]
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()

@@ -18,8 +18,8 @@ from tribucket import demo
 from tribucket.demo import LOSS_TOLERANCE, PARAM_TOLERANCE, DemoConfig, parse_args, run_demo
 
 # a model small enough for a few steps on a busy 2-core machine, big enough to learn
-TINY = dict(d_model=32, heads=2, layers=2, experts_per_rank=2, ffn_hidden=48, seq_len=32,
-            batch_size=8, eval_batches=1, lr=1e-2, out_dir=None)
+TINY = dict(d_model=32, heads=2, layers=2, experts_per_rank=2, ffn_hidden=48, expert_hidden=24,
+            top_k=2, seq_len=32, batch_size=8, eval_batches=1, lr=1e-2, out_dir=None)
 
 
 def _run(overrides: dict) -> dict:
@@ -64,14 +64,15 @@ def test_demo_matches_ddp_and_learns(dist_run, tmp_path):
     assert 0 < res["tribucket"]["bytes_per_step"] < res["ddp"]["bytes_per_step"]
     assert all(t > 0 for t in res["tribucket"]["step_s"] + res["tribucket"]["comm_exposed_s"])
     # memory of the experts per rank: tribucket holds its own experts, DDP every expert
-    D, H, L, world = TINY["d_model"], TINY["ffn_hidden"], TINY["experts_per_rank"], 2
+    D, H, L, world = TINY["d_model"], TINY["expert_hidden"], TINY["experts_per_rank"], 2
     moe_layers = TINY["layers"] // 2  # every second block's FFN is an MoE layer
-    expert_bytes = 4 * (D * H + H + H * D + D)  # fp32 fc1 and fc2, with biases
-    for name, experts in (("tribucket", L), ("ddp", L * world)):
+    expert_bytes = 4 * 3 * D * H  # fp32 SwiGLU w1, w3, w2, no biases
+    # tribucket stacks a layer's experts into 3 tensors; DDP's model has 3 per expert
+    for name, experts, tensors in (("tribucket", L, 3), ("ddp", L * world, 3 * L * world)):
         params = moe_layers * experts * expert_bytes
         assert res[name]["expert_param_bytes"] == params, (name, res[name])
         # AdamW: two moments of each parameter's size, a 4-byte step per parameter tensor
-        assert res[name]["expert_opt_bytes"] == 2 * params + 4 * 4 * moe_layers * experts, name
+        assert res[name]["expert_opt_bytes"] == 2 * params + 4 * tensors * moe_layers, name
 
     # rank 0 wrote the figures and their data; the other ranks wrote nothing
     assert [r["out_dir"] for r in results[1:]] == [None]
@@ -152,7 +153,10 @@ def test_run_demo_needs_a_process_group():
     (["--backend", "mpi"], ["--backend", "mpi", "nccl"]),
     (["--d-model", "30", "--heads", "4"], ["--d-model 30", "--heads 4", "divides"]),
     (["--nproc", "0"], ["--nproc", "positive", "0"]),
-    (["--nproc", "1", "--top-k", "3"], ["--top-k 3", "--experts-per-rank"]),
+    (["--nproc", "1", "--top-k", "9"], ["--top-k 9", "--experts-per-rank"]),
+    (["--score-func", "relu"], ["--score-func", "invalid choice", "sigmoid"]),
+    (["--shared-experts", "-1"], ["--shared-experts", "-1"]),
+    (["--bias-update-rate", "-0.1"], ["--bias-update-rate", "-0.1"]),
     (["--lr", "nan"], ["--lr", "nan"]),
     (["--lr", "0"], ["--lr", "positive"]),
     (["--batch-size", "0"], ["--batch-size", "0"]),

@@ -13,8 +13,9 @@ The fenced ```python blocks of each page are extracted and executed:
 * any other block runs in this process, one fresh namespace per page; a ``test_*``
   function a block defines is called (the layouts page's property-test recipe).
 
-The README's ``diff`` block (a DDP script turned into a tribucket one) is run both ways on 2
-ranks: the two scripts must end with the same parameters.
+The README's two ``diff`` blocks (a DDP script turned into a tribucket one, with the DDP-shaped
+class and with the context manager) are each run both ways on 2 ranks: the two scripts must
+end with the same parameters.
 """
 
 from __future__ import annotations
@@ -150,14 +151,17 @@ def test_local_examples(page, sources, tmp_path, monkeypatch):
             fn()
 
 
-def test_readme_diff_matches_ddp(dist_run):
-    """The README's quickstart: the DDP script and the tribucket script it becomes train alike."""
+@pytest.mark.parametrize("which", [0, 1], ids=["class", "context-manager"])
+def test_readme_diff_matches_ddp(dist_run, which):
+    """The README's two ways from DDP (the DDP-shaped class, one line; the context manager):
+    the DDP script and the tribucket script it becomes train alike."""
     diffs = _blocks(ROOT / "README.md", "diff")
-    assert len(diffs) == 1, "the README shows one DDP -> tribucket diff"
-    before, after = _diff_scripts(diffs[0][2])
-    assert "DistributedDataParallel" in before and "fused_bucketing" in after
-    assert "torchrun" in before and "DistributedDataParallel" not in after
-    line = diffs[0][1]
+    assert len(diffs) == 2, "the README shows two DDP -> tribucket diffs"
+    before, after = _diff_scripts(diffs[which][2])
+    assert "torch.nn.parallel.DistributedDataParallel" in before and "torchrun" in before
+    assert "torch.nn.parallel.DistributedDataParallel" not in after
+    assert ("tribucket.DistributedDataParallel(model)", "fused_bucketing")[which] in after
+    line = diffs[which][1]
     with tempfile.TemporaryDirectory() as workdir:
         ddp = dist_run(_exec_dist, [(line, before)], "README.md (DDP)", workdir, world_size=2)
         ours = dist_run(_exec_dist, [(line, after)], "README.md", workdir, world_size=2)

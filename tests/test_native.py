@@ -396,3 +396,27 @@ def test_an_unwritable_cache_falls_back_or_raises(dist_run):
             assert (kind, detail) == ("python", True)
         for kind, detail in dist_run(_unwritable_cache, True, world_size=2):
             assert kind == "error" and "native_hooks=True" in detail, detail
+
+
+def _required_but_missing_on_one_rank():
+    """native_hooks=True where rank 1 cannot build them: every rank raises at construction,
+    naming rank 1 (none is left waiting in its first backward)."""
+    rank = dist.get_rank()
+    saved = native._module, native._error
+    if rank == 1:
+        native._module, native._error = None, "OSError: no C++ compiler"
+    try:
+        model = build("mlp", seed=0)
+        with tribucket.fused_bucketing(model, native_hooks=True):
+            loss_of(model(batch("mlp", rank, 0))).backward()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        native._module, native._error = saved
+    return None
+
+
+@needs_native
+def test_required_native_hooks_missing_on_one_rank_raise_everywhere(dist_run):
+    for msg in dist_run(_required_but_missing_on_one_rank, world_size=2, timeout=60):
+        assert msg is not None and "rank 1" in msg and "no C++ compiler" in msg, msg

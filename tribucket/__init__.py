@@ -14,6 +14,7 @@ from .config import ReducerConfig
 from .grad_bucket import GradBucket
 from .layout import NO_CAP, Bucket, BucketLayout, TensorSpec, compute_layout
 from .ddp import Reducer, ReducerStats, fused_bucketing
+from .parallel import DistributedDataParallel
 from .zero import ShardedOptimizer
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Bucket",
     "BucketLayout",
+    "DistributedDataParallel",
     "GradBucket",
     "NO_CAP",
     "Reducer",

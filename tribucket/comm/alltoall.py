@@ -12,8 +12,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all", "exchange_counts", "ranks_reporting", "group_rank_and_size",
-           "set_failure_handler"]
+__all__ = ["all_to_all", "exchange_counts", "finish_exchange", "ranks_reporting",
+           "group_rank_and_size", "set_failure_handler", "start_exchange"]
 
 # id(group) -> (group, handler(group, error) -> the exception to raise instead, or None);
 # the group is kept so that its id stays its own
@@ -44,12 +44,40 @@ def _exchange(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence
         dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv_splits),
                                input_split_sizes=list(send_splits), group=group)
     except Exception as error:
-        entry = _FAILURE_HANDLERS.get(id(group))
-        better = entry[1](group, error) if entry is not None else None
-        if better is None:
-            raise
-        raise better from error
+        _explain(group, error)
     return out
+
+
+def _explain(group: dist.ProcessGroup | None, error: BaseException):
+    """Re-raise ``error`` as the group's failure handler explains it (or as it is)."""
+    entry = _FAILURE_HANDLERS.get(id(group))
+    better = entry[1](group, error) if entry is not None else None
+    if better is None:
+        raise error
+    raise better from error
+
+
+def start_exchange(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                   group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, object]:
+    """:func:`all_to_all` without waiting (no autograd): ``(out, work)``; ``out`` holds the
+    rows once :func:`finish_exchange` of ``work`` returns. Compute issued in between runs
+    while the rows travel (gloo moves them on its own threads)."""
+    out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+    try:
+        work = dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv_splits),
+                                      input_split_sizes=list(send_splits), group=group,
+                                      async_op=True)
+    except Exception as error:
+        _explain(group, error)
+    return out, work
+
+
+def finish_exchange(work, group: dist.ProcessGroup | None = None) -> None:
+    """Wait for a :func:`start_exchange` (a failure is explained as :func:`all_to_all`'s)."""
+    try:
+        work.wait()
+    except Exception as error:
+        _explain(group, error)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -147,9 +147,11 @@ def verify_state_across_ranks(summary: dict, group, world_size: int, fix: str) -
                      show=lambda v: repr(v) if len(repr(v)) < 80 else f"{repr(v)[:60]}...")
 
 
-def verify_across_ranks(view: ModelView, group, world_size: int, config: Any = None) -> None:
+def verify_across_ranks(view: ModelView, group, world_size: int, config: Any = None,
+                        extra: dict | None = None) -> None:
     """Raise the same ``RuntimeError`` on every rank if any rank's model or reducer options
-    differ from rank 0's (one ``all_gather_object``)."""
+    (and ``extra``: other facts every rank must share) differ from rank 0's (one
+    ``all_gather_object``)."""
     if world_size == 1:
         return
     meta = [("parameter", n, tuple(p.shape), tuple(p.stride()), str(p.dtype), p.requires_grad,
@@ -157,6 +159,7 @@ def verify_across_ranks(view: ModelView, group, world_size: int, config: Any = N
     meta += [("buffer", n, tuple(b.shape), tuple(b.stride()), str(b.dtype), False,
               b.device.type) for n, b in view.buffers]
     options = _options_of(config) if config is not None else {}
+    options.update(extra or {})
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, (options, meta), group=group)
     _raise_if_differ([e[0] for e in everyone], "the reducer options",

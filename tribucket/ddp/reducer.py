@@ -91,7 +91,9 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         try:
             # same model and options everywhere: checked on the user's group, before the
             # timed group is created (ranks that disagree on timeout= would not all create it)
-            verify_across_ranks(view, self.process_group, self.world_size, config)
+            self._native_ext = self._load_native()
+            verify_across_ranks(view, self.process_group, self.world_size, config,
+                                self._native_facts())
             # the reducer's own collectives: a group with the timeout, failure diagnosis, debug
             self._guard = CommGuard(self.process_group, self.rank, self.world_size,
                                     self._device, config.timeout, config.debug)
@@ -132,12 +134,27 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
             tensors += [b.detach() for _, b in self._current_buffers()]
         broadcast_coalesced(tensors, src=src_rank, group=self._guard.group_arg())
 
+    def _load_native(self):
+        """The native hooks' extension, if they are wanted and built. ``native_hooks=None``:
+        the hooks if they are built, else None and a build in the background (no rank waits
+        for a compiler); ``True``: built now if needed."""
+        wanted = self.config.native_hooks
+        return None if wanted is False else native.load(wait=wanted is True)
+
+    def _native_facts(self) -> dict:
+        """With native_hooks=True, whether this rank could build them: compared across
+        ranks before any other collective, so a rank without a compiler makes every rank
+        raise at construction instead of leaving the others in their first backward."""
+        if self.config.native_hooks is not True:
+            return {}
+        return {"native hooks (native_hooks=True)":
+                "built" if self._native_ext is not None
+                else f"not built: {native.unavailable_reason()}"}
+
     def _attach(self) -> None:
         bw, module = self._bw, self.module
         wanted = self.config.native_hooks
-        # None: the native hooks if they are built, else the Python ones while they build in
-        # the background (no rank waits for a compiler), switching at a step boundary
-        ext = None if wanted is False else native.load(wait=wanted is True)
+        ext, self._native_ext = self._native_ext, None
         if ext is None and wanted:
             raise RuntimeError("tribucket: native_hooks=True but the native gradient hooks "
                                f"could not be built ({native.unavailable_reason()}); install "

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..moe.layer import SCHEDULES
+from ..moe.layer import SCHEDULES, SCORE_FUNCS
 from .compare import run_demo
 from .config import BACKENDS, HOOKS, DemoConfig, _check_world
 from .report import format_table
@@ -41,7 +41,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="experts per rank in each MoE layer (%(default)s)")
     p.add_argument("--top-k", type=int, default=d.top_k, help="experts per token (%(default)s)")
     p.add_argument("--ffn-hidden", type=int, default=d.ffn_hidden,
-                   help="hidden width of MLPs and experts (%(default)s)")
+                   help="hidden width of the dense MLPs (%(default)s)")
+    p.add_argument("--expert-hidden", type=int, default=d.expert_hidden,
+                   help="hidden width of each SwiGLU expert (%(default)s)")
+    p.add_argument("--shared-experts", type=int, default=d.shared_experts,
+                   help="shared experts every token passes through (%(default)s)")
+    p.add_argument("--score-func", default=d.score_func, choices=SCORE_FUNCS,
+                   help="router scores (%(default)s)")
+    p.add_argument("--bias-update-rate", type=float, default=d.bias_update_rate,
+                   help="aux-loss-free balancing step, 0 for none (%(default)s)")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="characters per sequence (%(default)s)")
     p.add_argument("--batch-size", type=int, default=d.batch_size,
                    help="sequences per rank per step (%(default)s)")
@@ -156,8 +164,10 @@ def _worker(cfg: DemoConfig) -> int:
             print(f"tribucket demo: {world} rank(s), backend {backend} on {device.type}, "
                   f"{torch.get_num_threads()} thread(s) per rank; hook {cfg.hook}, schedule "
                   f"{cfg.schedule}\nmodel: {cfg.layers} blocks (MoE FFN in block(s) {moe}), "
-                  f"d_model {cfg.d_model}, {cfg.num_experts(world)} experts "
-                  f"({cfg.experts_per_rank} per rank), top-{cfg.top_k}; {cfg.steps} steps of "
+                  f"d_model {cfg.d_model}, {cfg.num_experts(world)} SwiGLU experts of width "
+                  f"{cfg.expert_hidden} ({cfg.experts_per_rank} per rank), top-{cfg.top_k} by "
+                  f"{cfg.score_func}, {cfg.shared_experts} shared expert(s), routing bias "
+                  f"{cfg.bias_update_rate or 'off'}; {cfg.steps} steps of "
                   f"{world * cfg.batch_size * cfg.seq_len:,} tokens", flush=True)
         try:
             result = run_demo(cfg, progress=True, device=device)

@@ -7,7 +7,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from ..moe.layer import SCHEDULES
+from ..moe.layer import SCHEDULES, SCORE_FUNCS
 
 #: comm hooks the demo can put on tribucket's reducer ("none": the default allreduce)
 HOOKS = ("none", "fp16", "bf16", "powersgd", "gossip")
@@ -30,12 +30,23 @@ class DemoConfig:
     heads: int = 4
     #: transformer blocks; the feed-forward of every second block (1, 3, ...) is an MoE
     layers: int = 4
-    #: experts each rank holds in each MoE layer (E = world_size · experts_per_rank)
-    experts_per_rank: int = 2
+    #: experts each rank holds in each MoE layer (E = world_size · experts_per_rank); many
+    #: small ("fine-grained") experts, as DeepSeek and Qwen use, run as one grouped matmul
+    experts_per_rank: int = 8
     #: experts per token
-    top_k: int = 2
-    #: hidden width of the dense MLPs and of each expert
+    top_k: int = 4
+    #: hidden width of the dense MLPs
     ffn_hidden: int = 128
+    #: hidden width of each (SwiGLU) expert: top_k x expert_hidden = 2 x ffn_hidden, the
+    #: active width of a top-2 layer of full-width experts
+    expert_hidden: int = 64
+    #: shared experts (of expert_hidden each) every token passes through, beside the routed
+    #: ones; they run while the tokens travel to the experts
+    shared_experts: int = 1
+    #: router scores: "sigmoid" (DeepSeek-V3, renormalised over the top-k) or "softmax"
+    score_func: str = "sigmoid"
+    #: aux-loss-free balancing: the routing bias's step after each optimizer step (0: off)
+    bias_update_rate: float = 1e-3
     #: characters per training sequence
     seq_len: int = 64
     #: sequences per rank per step
@@ -48,8 +59,8 @@ class DemoConfig:
     schedule: str = "alltoall"
     #: seed of the weights and of every rank's batches (the same in both runs)
     seed: int = 0
-    #: weight of the MoE load-balancing loss
-    aux_loss_coef: float = 0.01
+    #: weight of the MoE load-balancing loss (0: the routing bias balances alone)
+    aux_loss_coef: float = 0.0
     #: validation batches per rank evaluated after each run
     eval_batches: int = 4
     #: training text (UTF-8); None: the built-in sonnets
@@ -69,8 +80,14 @@ class DemoConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
 
         for name in ("steps", "nproc", "d_model", "heads", "layers", "experts_per_rank", "top_k",
-                     "ffn_hidden", "seq_len", "batch_size", "eval_batches", "threads"):
+                     "ffn_hidden", "expert_hidden", "seq_len", "batch_size", "eval_batches",
+                     "threads"):
             positive(name)
+        if isinstance(self.shared_experts, bool) or not isinstance(self.shared_experts, int) \
+                or self.shared_experts < 0:
+            raise ValueError(f"--shared-experts must be an integer >= 0, got {self.shared_experts!r}")
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"--score-func {self.score_func!r} is not one of {', '.join(SCORE_FUNCS)}")
         if self.d_model % self.heads:
             raise ValueError(f"--d-model {self.d_model} is not divisible by --heads {self.heads}: "
                              f"pick a head count that divides it (e.g. --heads "
@@ -81,7 +98,7 @@ class DemoConfig:
             raise ValueError(f"--schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
-        for name in ("lr", "aux_loss_coef"):
+        for name in ("lr", "aux_loss_coef", "bias_update_rate"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v!r}")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..moe import MoELayer
+from ..moe import GroupedExperts, MoELayer, SwiGLUExpert, update_routing_biases
 from .config import DemoConfig
 
 #: the built-in text (sonnets, public domain), shipped in tribucket/data/
@@ -109,20 +109,29 @@ class Block(nn.Module):
 class AllExpertsMoE(nn.Module):
     """The DDP baseline's MoE: every expert on this rank, gate math identical to MoELayer.
 
-    Same parameter names as :class:`MoELayer` (``router.weight``, ``experts.<global
-    index>.*``), so the two models' ``state_dict`` keys line up. Each expert runs on the
-    tokens routed to it (possibly none: it still joins the graph, so DDP sees a zero
-    gradient, as tribucket's experts get one).
+    Same parameter and buffer names as :class:`MoELayer` (``router.weight``,
+    ``experts.<global index>.*``, ``shared_experts.<i>.*``, ``expert_bias``), so the two
+    models' ``state_dict`` keys line up. Each expert runs on the tokens routed to it
+    (possibly none: it still joins the graph, so DDP sees a zero gradient, as tribucket's
+    experts get one). The routing bias is updated as a replicated-experts user would: the
+    token counts all-reduced over the ranks after each step (:meth:`update_bias`).
     """
 
     def __init__(self, experts: Sequence[nn.Module], router: nn.Linear, top_k: int,
-                 aux_loss_coef: float):
+                 aux_loss_coef: float, *, shared: Sequence[nn.Module] = (),
+                 score_func: str = "softmax", bias_update_rate: float = 0.0):
         super().__init__()
         self.router = router
         self.experts = nn.ModuleDict({str(e): m for e, m in enumerate(experts)})
+        self.shared_experts = nn.ModuleList(shared) if shared else None
         self.num_experts = len(experts)
         self.top_k = top_k
         self.aux_loss_coef = aux_loss_coef
+        self.score_func = score_func
+        self.bias_update_rate = bias_update_rate
+        if bias_update_rate:
+            self.register_buffer("expert_bias", torch.zeros(len(experts), device=router.weight.device))
+            self._load_E = torch.zeros(len(experts), dtype=torch.float64, device=router.weight.device)
         self.aux_loss: torch.Tensor | None = None
         #: [E] this rank's token-slots per expert in the last forward (MoELayer's
         #: ``stats.tokens_per_expert``), kept as a tensor until it is read
@@ -131,8 +140,17 @@ class AllExpertsMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         D = x.shape[-1]
         x_TD = x.reshape(-1, D)
-        probs_TE = torch.softmax(self.router(x_TD).float(), dim=-1)
-        weights_TK, ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
+        logits_TE = self.router(x_TD).float()
+        if self.score_func == "softmax":
+            scores_TE = probs_TE = torch.softmax(logits_TE, dim=-1)
+        else:
+            scores_TE = torch.sigmoid(logits_TE)
+            probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        if self.bias_update_rate:  # the bias picks the experts, the scores weigh them
+            ids_TK = torch.topk(scores_TE.detach() + self.expert_bias, self.top_k, dim=-1).indices
+            weights_TK = scores_TE.gather(1, ids_TK)
+        else:
+            weights_TK, ids_TK = torch.topk(scores_TE, self.top_k, dim=-1)
         if self.top_k > 1:  # MoELayer's default; k = 1 is Switch-style y = p · expert(x)
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         y_TD = torch.zeros_like(x_TD)
@@ -140,11 +158,27 @@ class AllExpertsMoE(nn.Module):
             t_idx, k_idx = torch.nonzero(ids_TK == e, as_tuple=True)
             out = expert(x_TD[t_idx])
             y_TD = y_TD.index_add(0, t_idx, (weights_TK[t_idx, k_idx, None] * out).to(x.dtype))
+        if self.shared_experts is not None:
+            y_TD = y_TD + sum(m(x_TD) for m in self.shared_experts)
         T = x_TD.shape[0]
         self.counts_E = torch.bincount(ids_TK.reshape(-1), minlength=self.num_experts)
+        if self.bias_update_rate and self.training:
+            self._load_E += self.counts_E
         f_E = self.counts_E.float() / (T * self.top_k)
         self.aux_loss = self.aux_loss_coef * self.num_experts * torch.dot(f_E, probs_TE.mean(dim=0))
         return y_TD.view(x.shape)
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """``expert_bias += rate · sign(mean_load - load)`` over every rank's tokens since
+        the last call (one all-reduce of the counts)."""
+        if not self.bias_update_rate:
+            return
+        load_E = self._load_E.clone()
+        dist.all_reduce(load_E)
+        self._load_E.zero_()
+        if load_E.sum():
+            self.expert_bias += self.bias_update_rate * torch.sign(load_E.mean() - load_E).float()
 
 
 class CharTransformer(nn.Module):
@@ -168,6 +202,13 @@ class CharTransformer(nn.Module):
     def aux_loss(self) -> torch.Tensor | float:
         """Sum of the MoE layers' load-balancing losses from the last forward."""
         return sum(b.ffn.aux_loss for b in self.blocks if hasattr(b.ffn, "aux_loss"))
+
+    def update_routing_biases(self) -> None:
+        """Aux-loss-free balancing after an optimizer step, for whichever MoE the blocks hold."""
+        update_routing_biases(self)  # the MoELayers (no collective)
+        for b in self.blocks:
+            if isinstance(b.ffn, AllExpertsMoE):
+                b.ffn.update_bias()
 
     def routing(self) -> tuple:
         """Per MoE layer, this rank's token-slots per expert in the last forward."""
@@ -204,13 +245,23 @@ def build_model(cfg: DemoConfig, vocab_size: int, *, expert_parallel: bool,
             experts = []
             for e in owned:
                 _seeded(cfg.seed, i, 3, e)
-                experts.append(FFN(cfg.d_model, cfg.ffn_hidden).to(device))
+                experts.append(SwiGLUExpert(cfg.d_model, cfg.expert_hidden).to(device))
+            shared = []
+            for j in range(cfg.shared_experts):
+                _seeded(cfg.seed, i, 4, j)
+                shared.append(SwiGLUExpert(cfg.d_model, cfg.expert_hidden).to(device))
+            rate = cfg.bias_update_rate or None
             if expert_parallel:
-                ffn = MoELayer(experts, E, cfg.d_model, top_k=cfg.top_k, router=router,
+                # stacked and run as one grouped matmul (the pipelined schedule takes modules)
+                local = (GroupedExperts.from_experts(experts) if cfg.schedule == "alltoall"
+                         else experts)
+                ffn = MoELayer(local, E, cfg.d_model, top_k=cfg.top_k, router=router,
                                expert_grad_scale=1.0 / world, aux_loss_coef=cfg.aux_loss_coef,
-                               schedule=cfg.schedule)
+                               schedule=cfg.schedule, shared_experts=shared or None,
+                               score_func=cfg.score_func, bias_update_rate=rate)
             else:
-                ffn = AllExpertsMoE(experts, router, cfg.top_k, cfg.aux_loss_coef)
+                ffn = AllExpertsMoE(experts, router, cfg.top_k, cfg.aux_loss_coef, shared=shared,
+                                    score_func=cfg.score_func, bias_update_rate=rate or 0.0)
         attn_block.ffn = ffn
         blocks.append(attn_block)
     _seeded(cfg.seed, cfg.layers, 0)

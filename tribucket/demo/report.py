@@ -54,6 +54,15 @@ def format_table(result: dict) -> str:
         lines.append("  ".join([r[0].ljust(w[0])] + [r[c].rjust(w[c]) for c in range(1, len(r))]))
         if k == 0:
             lines.append("-" * len(lines[0]))
+    if len(names) == 2:  # one line on who is faster, and why
+        tb, ddp = (result[n]["median_step_s"] for n in names)
+        if tb <= ddp:
+            lines.append(f"expert parallelism is {ddp / tb:.2f}x faster per step here: DDP "
+                         "allreduces and updates every expert on every rank, tribucket only its own")
+        else:
+            lines.append(f"expert parallelism is {tb / ddp:.2f}x slower per step here: at this "
+                         "size the token exchange (5 all-to-alls per MoE layer) costs more than "
+                         "the replicated experts' allreduce and optimizer work it saves")
     if "param_diff" in result:
         d = result["param_diff"]
         verdict = ("agree to fp32 tolerance" if result["agree"] else "DIFFER")

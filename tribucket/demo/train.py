@@ -100,6 +100,7 @@ def _train(cfg: DemoConfig, impl: str, data: CharData, device: torch.device,
             loss = loss + model.aux_loss()
             loss.backward()
             opt.step()
+            model.update_routing_biases()  # aux-loss-free balancing (no-op without the bias)
             opt.zero_grad(set_to_none=True)
             _sync(device)
             dt = time.perf_counter() - t0

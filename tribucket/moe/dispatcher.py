@@ -36,12 +36,13 @@ import itertools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import NoReturn, Sequence
+from typing import Callable, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..comm import all_to_all, exchange_counts, group_rank_and_size
+from ..comm import (all_to_all, exchange_counts, finish_exchange, group_rank_and_size,
+                    start_exchange)
 from ..kernels.moe import _use_triton, moe_counts, permute_tokens, unpermute_tokens
 
 __all__ = ["DispatchMeta", "MoEDispatcher", "expert_capacity"]
@@ -300,11 +301,47 @@ class MoEDispatcher:
     def exchange(self, send_ND: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """All-to-all ``send_ND`` to the experts' ranks; regroup by local expert."""
         recv_RD = all_to_all(send_ND, meta.send_splits, meta.recv_splits, self.group)
+        return self._regroup(recv_RD, meta)
+
+    def _regroup(self, recv_RD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         if not meta.regroup:
             return recv_RD
         W, L = self.world_size, self.num_local_experts
         pieces = recv_RD.split([c for row in meta.recv_counts_host for c in row])  # (w, l)
         return torch.cat([pieces[w * L + l] for l in range(L) for w in range(W)])
+
+    def exchange_to_experts_beside(
+            self, send_ND: torch.Tensor, meta: DispatchMeta,
+            side: Callable[[torch.Tensor], torch.Tensor], side_x: torch.Tensor,
+            side_params: Sequence[torch.Tensor], *, as_list: bool = True,
+    ) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]:
+        """:meth:`exchange_to_experts` (``as_list``) or :meth:`exchange`, with ``side(side_x)``
+        computed while the rows travel: ``(expert inputs, side output)``.
+
+        The side computation (the shared experts) must not depend on the exchange; in
+        backward its gradients (to ``side_x`` and ``side_params``, handed to autograd as
+        ordinary gradients) are computed while the reverse exchange carries the experts'
+        input gradients home. Same collectives as :meth:`exchange`, in the same order.
+        """
+        needs = torch.is_grad_enabled() and (
+            send_ND.requires_grad or side_x.requires_grad
+            or any(p.requires_grad for p in side_params))
+        if needs:
+            recv_RD, side_out = _ExchangeBeside.apply(
+                (meta.send_splits, meta.recv_splits, self.group), side, side_x, send_ND,
+                *side_params)
+        else:
+            recv_RD, work = start_exchange(send_ND, meta.send_splits, meta.recv_splits,
+                                           self.group)
+            try:
+                side_out = side(side_x)
+            finally:
+                finish_exchange(work, self.group)
+        if not as_list:
+            return self._regroup(recv_RD, meta), side_out
+        if not meta.regroup:
+            return list(recv_RD.split(list(meta.tokens_per_expert))), side_out
+        return list(_Regroup.apply(recv_RD, meta.recv_counts_host)), side_out
 
     def exchange_to_experts(self, send_ND: torch.Tensor, meta: DispatchMeta) -> list[torch.Tensor]:
         """:meth:`exchange`, handed out as one contiguous ``[tokens_per_expert[l], D]`` tensor
@@ -442,6 +479,46 @@ class MoEDispatcher:
                 return (f"expert {e} (local expert {l} on rank {self.rank}) returned {got} for "
                         f"an input of shape [{n}, {D}]; experts must map [n, D] -> [n, D]"), None
         return None, outs  # exchange_back concatenates them (with the regroup, in one copy)
+
+
+class _ExchangeBeside(torch.autograd.Function):
+    """The token all-to-all with an independent computation between its start and its wait,
+    in forward and in backward (the shared experts, overlapped with the exchange).
+
+    Forward: start the exchange of ``send_ND``; run ``side(side_x)`` with its own graph
+    (``side_x`` detached: its gradient is returned from here); wait. Backward: start the
+    reverse exchange of the rows' gradients; ``autograd.grad`` through the side graph; wait.
+    """
+
+    @staticmethod
+    def forward(ctx, how, side, side_x, send_ND, *params):
+        send_splits, recv_splits, group = how
+        recv_RD, work = start_exchange(send_ND, send_splits, recv_splits, group)
+        try:
+            with torch.enable_grad():
+                x_in = side_x.detach().requires_grad_(side_x.requires_grad)
+                out = side(x_in)
+        finally:  # the exchange completes on every rank, whatever the side computation did
+            finish_exchange(work, group)
+        ctx.how, ctx.x_in, ctx.out, ctx.params = how, x_in, out, params
+        return recv_RD, out.detach()
+
+    @staticmethod
+    def backward(ctx, grad_recv_RD, grad_side):
+        send_splits, recv_splits, group = ctx.how
+        grad_send_ND, work = start_exchange(grad_recv_RD, recv_splits, send_splits, group)
+        try:
+            wanted = [t for t, need in zip((ctx.x_in,) + ctx.params,
+                                           (ctx.needs_input_grad[2],) + ctx.needs_input_grad[4:])
+                      if need]
+            grads = iter(torch.autograd.grad(ctx.out, wanted, grad_side, allow_unused=True)
+                         if wanted and ctx.out.requires_grad else [None] * len(wanted))
+        finally:
+            finish_exchange(work, group)
+        out = [next(grads) if need else None
+               for need in (ctx.needs_input_grad[2],) + ctx.needs_input_grad[4:]]
+        ctx.x_in = ctx.out = None
+        return (None, None, out[0], grad_send_ND if ctx.needs_input_grad[3] else None, *out[1:])
 
 
 class _Regroup(torch.autograd.Function):

@@ -24,8 +24,9 @@ from torch import nn
 from .._tags import mark_expert_parallel
 from ..comm import group_rank_and_size
 from ..kernels.moe import moe_counts, permute_tokens, unpermute_tokens
-from ._guard import MoEGuard
+from ._guard import MoEGuard, _is_comm_failure
 from .dispatcher import DispatchMeta, MoEDispatcher, _route, expert_capacity
+from .experts import GroupedExperts
 from .schedule import pipelined_experts
 from .shadow import ShadowCosts, resolve_shadow_policy
 
@@ -33,6 +34,8 @@ __all__ = ["MoELayer", "MoEStats", "SCHEDULES"]
 
 #: the token-exchange schedules MoELayer knows: two all-to-alls, or FasterMoE's pipeline
 SCHEDULES = ("alltoall", "pairwise")
+#: how router logits become scores: softmax over experts, or a sigmoid per expert (DeepSeek-V3)
+SCORE_FUNCS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ class MoELayer(nn.Module):
 
     def __init__(
         self,
-        experts: nn.ModuleList | Sequence[nn.Module],
+        experts: nn.ModuleList | Sequence[nn.Module] | GroupedExperts,
         num_experts: int,
         d_model: int,
         *,
@@ -175,13 +178,29 @@ class MoELayer(nn.Module):
         backend: str = "auto",
         timeout: datetime.timedelta | None = None,
         name: str | None = None,
+        shared_experts: nn.Module | Sequence[nn.Module] | None = None,
+        shared_gate: bool = False,
+        score_func: str = "softmax",
+        bias_update_rate: float | None = None,
     ):
         super().__init__()
         # every check comes before the router broadcast, the first collective
-        experts = list(experts)
+        grouped = experts if isinstance(experts, GroupedExperts) else None
+        experts = [grouped] * grouped.num_experts if grouped is not None else list(experts)
         if not experts or not all(isinstance(e, nn.Module) for e in experts):
             raise TypeError("experts must be a non-empty nn.ModuleList (or sequence) of this "
-                            f"rank's expert modules, got {experts!r}")
+                            f"rank's expert modules, or a GroupedExperts, got {experts!r}")
+        shared = _shared_list(shared_experts)
+        if shared_gate and not shared:
+            raise ValueError("shared_gate=True gates the shared experts' output, but "
+                             "shared_experts is None: pass shared_experts= too")
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func={score_func!r} is not one of {SCORE_FUNCS}")
+        if bias_update_rate is not None and (
+                not isinstance(bias_update_rate, (int, float)) or isinstance(bias_update_rate, bool)
+                or not math.isfinite(bias_update_rate) or bias_update_rate <= 0):
+            raise ValueError(f"bias_update_rate must be None (no routing bias) or a positive "
+                             f"number (DeepSeek-V3 uses 1e-3), got {bias_update_rate!r}")
         rank, world = group_rank_and_size(group)
         _check_replica_group(group, replica_group, world)
         if expert_grad_scale is None:  # the mean over the group's ranks (see the docstring)
@@ -202,6 +221,11 @@ class MoELayer(nn.Module):
             raise ValueError(f"group_size must be a positive int (ranks per pairwise exchange "
                              f"group, capped at the world size), got {group_size!r}")
         policy = resolve_shadow_policy(shadow_policy, num_experts)
+        if grouped is not None and (policy is not None or schedule != "alltoall"):
+            raise ValueError(
+                f"GroupedExperts run with schedule='alltoall' and no shadow_policy (got "
+                f"schedule={schedule!r}, shadow_policy={shadow_policy!r}); for the pipelined "
+                f"schedule or shadowing pass a list of modules: experts.to_experts()")
         signature = _expert_signature(experts[0])
         if policy is not None:
             for l, e in enumerate(experts):
@@ -241,7 +265,8 @@ class MoELayer(nn.Module):
         #: the shadow policy object (None: no shadowing)
         self.shadow_policy = policy
         #: elements of one expert's parameters (the size a shadow broadcast moves)
-        self.expert_numel = sum(q.numel() for q in experts[0].parameters())
+        self.expert_numel = sum(q.numel() for q in experts[0].parameters()) // (
+            grouped.num_experts if grouped is not None else 1)
         self.expert_grad_scale = float(expert_grad_scale)
         self.aux_loss_coef = float(aux_loss_coef)
         self.z_loss_coef = float(z_loss_coef)
@@ -256,7 +281,28 @@ class MoELayer(nn.Module):
                                device=param.device if param is not None else None)
         self.router = router
         # keyed by global index, so state_dict() says experts.5.… on the owner of expert 5
-        self.experts = nn.ModuleDict({str(self.expert_offset + l): e for l, e in enumerate(experts)})
+        # (GroupedExperts name them so too: its state_dict hook writes one entry per expert)
+        if grouped is not None:
+            grouped.first_index = self.expert_offset
+            self.experts = grouped
+        else:
+            self.experts = nn.ModuleDict({str(self.expert_offset + l): e
+                                          for l, e in enumerate(experts)})
+        #: the experts every token passes through (data-parallel parameters; None: none)
+        self.shared_experts = nn.ModuleList(shared) if shared else None
+        #: Qwen's gate of the shared experts' output, sigmoid(x @ w) (None: ungated)
+        self.shared_gate = (nn.Linear(d_model, 1, bias=False, device=self.router.weight.device
+                                      if isinstance(self.router, nn.Linear) else None)
+                            if shared_gate else None)
+        self.score_func = score_func
+        #: step of the aux-loss-free balancing (None: no routing bias)
+        self.bias_update_rate = None if bias_update_rate is None else float(bias_update_rate)
+        #: [E] fp32 bias added to the scores for the top-k choice only (zeros without balancing)
+        self.register_buffer("expert_bias", torch.zeros(
+            num_experts, dtype=torch.float32, device=next(self.router.parameters()).device
+            if next(self.router.parameters(), None) is not None else None))
+        # [E] token-slots routed to each expert over the group since the last bias update
+        self._load_E: list[int] = [0] * num_experts
         for p in self.experts.parameters():
             mark_expert_parallel(p, group=group, replica_group=replica_group)
             if self.expert_grad_scale != 1.0:
@@ -268,6 +314,9 @@ class MoELayer(nn.Module):
         self._guard = MoEGuard(group, rank, world, timeout, name)
         self.dispatcher.group = group = self._guard.group
         _broadcast_from_first_rank(self.router, group)
+        for module in (self.shared_experts, self.shared_gate):
+            if module is not None:
+                _broadcast_from_first_rank(module, group)
         _check_replicas_agree(self, replica_group)
         #: the group across which this rank's experts are replicated (None: no replicas)
         self.replica_group = replica_group
@@ -281,8 +330,35 @@ class MoELayer(nn.Module):
 
     @property
     def local_experts(self) -> list[nn.Module]:
-        """This rank's experts in local order (global index ``expert_offset + l``)."""
+        """This rank's experts in local order (global index ``expert_offset + l``); with
+        :class:`GroupedExperts`, detached copies as per-expert modules."""
+        if isinstance(self.experts, GroupedExperts):
+            return self.experts.to_experts()
         return list(self.experts.values())
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3): ``expert_bias += rate · sign(mean_load -
+        load)`` from the token-slots routed to each expert over the whole group since the last
+        call, then the count restarts. Call it after each optimizer step (or use
+        :func:`~tribucket.moe.update_routing_biases` / :func:`~tribucket.moe.balance_after_step`
+        for every layer of a model). No collective: every rank of the group holds the same
+        counts, so every rank computes the same bias; with ``replica_group`` the counts are
+        first summed over it (one all-reduce of ``E`` integers) so every expert-parallel group
+        moves its bias alike. A no-op when ``bias_update_rate`` is None."""
+        if self.bias_update_rate is None:
+            return
+        load_E = torch.tensor(self._load_E, dtype=torch.float64, device=self.expert_bias.device)
+        if self.replica_group is not None and dist.get_world_size(self.replica_group) > 1:
+            dist.all_reduce(load_E, group=self.replica_group)
+        self._apply_bias_update(load_E)
+
+    def _apply_bias_update(self, load_E: torch.Tensor) -> None:
+        self._load_E = [0] * self.num_experts
+        if not bool(load_E.sum()):  # no token routed since the last update: nothing to learn
+            return
+        step_E = torch.sign(load_E.mean() - load_E).to(torch.float32)
+        self.expert_bias.add_(step_E, alpha=self.bias_update_rate)
 
     def extra_repr(self) -> str:
         cap = self.dispatcher.capacity_factor
@@ -290,7 +366,12 @@ class MoELayer(nn.Module):
                 f"d_model={self.d_model}, top_k={self.top_k}, "
                 f"capacity_factor={'dropless' if cap is None else cap}, schedule={self.schedule}"
                 + (f", group_size={self.group_size}" if self.schedule == "pairwise" else "")
-                + (f", shadow_policy={self.shadow_policy!r}" if self.shadow_policy is not None else ""))
+                + (f", shadow_policy={self.shadow_policy!r}" if self.shadow_policy is not None else "")
+                + (f", score_func={self.score_func}" if self.score_func != "softmax" else "")
+                + (f", bias_update_rate={self.bias_update_rate}"
+                   if self.bias_update_rate is not None else "")
+                + (f", shared={len(self.shared_experts)}{' gated' if self.shared_gate else ''}"
+                   if self.shared_experts is not None else ""))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         guard = self._guard
@@ -309,7 +390,8 @@ class MoELayer(nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         disp = self.dispatcher
         policy = self.shadow_policy
-        gather = policy is not None and policy.needs_counts and disp.world_size > 1
+        balance = self.bias_update_rate is not None and self.training
+        gather = (policy is not None and policy.needs_counts and disp.world_size > 1) or balance
         try:  # a rank whose input is bad still joins the first collective, so all raise
             if x.dim() < 1 or x.shape[-1] != self.d_model:
                 raise ValueError(f"x has shape {tuple(x.shape)}: its last dimension must be "
@@ -321,25 +403,38 @@ class MoELayer(nn.Module):
                 raise
             self._guard.mark("counts")
             disp.fail_plan(error, x.device, gather_counts=gather)
-        probs_TE = torch.softmax(logits_TE, dim=-1)
-        weights_TK, expert_ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
-        if self.normalize_weights and self.top_k == 1:
-            # p / p is 1 up to rounding: use exactly 1, so y gives the router no gradient
-            weights_TK = torch.ones_like(weights_TK)
-        elif self.normalize_weights:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        probs_TE, weights_TK, expert_ids_TK = self._gate(logits_TE)
         if self._gathered is not None:  # every expert here: no collective
             return self._forward_gathered(x, x_TD, logits_TE, probs_TE, weights_TK, expert_ids_TK)
 
         self._guard.mark("counts")
         meta = disp.plan(x_TD, expert_ids_TK, weights_TK, gather_counts=gather)
         shadowed = self._decide_shadows(meta, x_TD.dtype)
+        if balance:  # the group's routing, every rank alike (it rode on the counts exchange)
+            self._load_E = [a + sum(col) for a, col in
+                            zip(self._load_E, zip(*meta.global_counts_host))]
         self._guard.mark("dispatch")
+        shared_TD = None
         if self.schedule == "alltoall" and not shadowed:
-            inputs = disp.exchange_to_experts(disp.permute(x_TD, meta), meta)
+            send_ND = disp.permute(x_TD, meta)
+            grouped = isinstance(self.experts, GroupedExperts)
             try:
-                outputs = [expert(rows) for expert, rows in zip(self.experts.values(), inputs)]
+                if self.shared_experts is not None and disp.world_size > 1:
+                    # the shared experts run while the tokens travel (and, in backward, while
+                    # their gradients travel back)
+                    inputs, shared_TD = disp.exchange_to_experts_beside(
+                        send_ND, meta, self._shared_forward, x_TD, self._shared_parameters(),
+                        as_list=not grouped)
+                else:
+                    inputs = (disp.exchange(send_ND, meta) if grouped
+                              else disp.exchange_to_experts(send_ND, meta))
+                if grouped:
+                    outputs = self.experts(inputs, meta.tokens_per_expert)
+                else:
+                    outputs = [expert(rows) for expert, rows in zip(self.experts.values(), inputs)]
             except Exception as error:  # every rank must hear of it before the return exchange
+                if _is_comm_failure(error):  # the exchange itself failed: forward() explains
+                    raise
                 self._guard.mark("combine")
                 disp.fail_combine(error, meta)
             self._guard.mark("combine")
@@ -352,6 +447,10 @@ class MoELayer(nn.Module):
                 shadowed=shadowed, check_output=disp.check_expert_output,
                 expert_numel=self.expert_numel)
             y_TD = disp.unpermute(back_ND, meta)
+        if self.shared_experts is not None:
+            if shared_TD is None:  # one rank (nothing in flight), or the pipelined schedule
+                shared_TD = self._shared_forward(x_TD)
+            y_TD = y_TD + shared_TD.to(y_TD.dtype)
 
         self.aux_loss = self._aux_loss(logits_TE, probs_TE, meta.counts_E)
         self.stats = MoEStats(tokens_per_expert=meta.counts_host,
@@ -374,6 +473,8 @@ class MoELayer(nn.Module):
         outs = [expert(chunk) for expert, chunk in zip(self._gathered, rows_ND.split(sent))]
         y_TD = unpermute_tokens(torch.cat(outs) if outs else rows_ND, dest_TK, weights_TK,
                                 backend=backend)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self._shared_forward(x_TD).to(y_TD.dtype)
         self.aux_loss = self._aux_loss(logits_TE, probs_TE, counts_E)
         first = self.expert_offset
         self.stats = MoEStats(tokens_per_expert=tuple(counts_E.tolist()),
@@ -416,6 +517,43 @@ class MoELayer(nn.Module):
             copy_.load_state_dict(full[e])
             experts.append(copy_)
         return experts
+
+    def _gate(self, logits_TE: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(probs_TE, weights_TK, expert_ids_TK)`` from the fp32 logits (see the class
+        docstring): the bias moves the top-k choice only; the weights are the scores."""
+        if self.score_func == "softmax":
+            scores_TE = torch.softmax(logits_TE, dim=-1)
+            probs_TE = scores_TE
+        else:
+            scores_TE = torch.sigmoid(logits_TE)
+            # the balance loss wants a distribution per token: the scores, normalised
+            probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        if self.bias_update_rate is not None:
+            _, expert_ids_TK = torch.topk(scores_TE.detach() + self.expert_bias, self.top_k, dim=-1)
+            weights_TK = scores_TE.gather(1, expert_ids_TK)
+        else:
+            weights_TK, expert_ids_TK = torch.topk(scores_TE, self.top_k, dim=-1)
+        if self.normalize_weights and self.top_k == 1:
+            # p / p is 1 up to rounding: use exactly 1, so y gives the router no gradient
+            weights_TK = torch.ones_like(weights_TK)
+        elif self.normalize_weights:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        return probs_TE, weights_TK, expert_ids_TK
+
+    def _shared_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """The sum of the shared experts' outputs, times ``sigmoid(gate(x))`` when gated."""
+        out_TD = self.shared_experts[0](x_TD)
+        for expert in list(self.shared_experts)[1:]:
+            out_TD = out_TD + expert(x_TD)
+        if self.shared_gate is not None:
+            gate_T1 = torch.sigmoid(self.shared_gate(x_TD.to(self.shared_gate.weight.dtype)))
+            out_TD = out_TD * gate_T1.to(out_TD.dtype)
+        return out_TD
+
+    def _shared_parameters(self) -> list[torch.Tensor]:
+        mods = [self.shared_experts] + ([self.shared_gate] if self.shared_gate is not None else [])
+        return [p for m in mods for p in m.parameters()]
 
     def _router_logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         """fp32 ``[T, E]`` logits; the router runs in its own parameter dtype (fp32 by default)."""
@@ -495,6 +633,12 @@ def _check_ranks_agree(layer: MoELayer, signature, group: dist.ProcessGroup | No
               ("schedule", _crc(layer.schedule)), ("shadow_policy", _crc(policy_key)),
               ("capacity_factor", _crc(layer.dispatcher.capacity_factor)),
               ("timeout", _crc(layer.timeout)),
+              ("score_func", _crc(layer.score_func)),
+              ("bias_update_rate", _crc(layer.bias_update_rate)),
+              ("experts kind", _crc(type(layer.experts).__name__)),
+              ("shared experts (names, shapes, dtypes) and gate",
+               _crc((_expert_signature(layer.shared_experts) if layer.shared_experts is not None
+                     else None, layer.shared_gate is not None))),
               ("router parameters (names, shapes, dtypes)", _crc(_expert_signature(layer.router))),
               ("expert parameters (names, shapes, dtypes), needed to shadow",
                _crc(signature) if policy is not None else 0)]
@@ -566,8 +710,21 @@ def _check_replicas_agree(layer: MoELayer, replica_group) -> None:
 def _drop_other_ranks_experts(module: MoELayer, state_dict, prefix, *_unused) -> None:
     """load_state_dict pre-hook: ignore experts this rank does not own (merged files)."""
     head = prefix + "experts."
-    mine = set(module.experts.keys())
+    mine = {str(module.expert_offset + l) for l in range(module.num_local_experts)}
     for key in [k for k in state_dict if k.startswith(head)]:
         index = key[len(head):].split(".", 1)[0]
         if index.isdigit() and index not in mine and int(index) < module.num_experts:
             del state_dict[key]
+
+
+def _shared_list(shared) -> list[nn.Module]:
+    """``shared_experts=`` as a list of modules (None: [])."""
+    if shared is None:
+        return []
+    items = [shared] if isinstance(shared, nn.Module) and not isinstance(
+        shared, (nn.ModuleList, nn.ModuleDict)) else list(
+        shared.values() if isinstance(shared, nn.ModuleDict) else shared)
+    if not items or not all(isinstance(m, nn.Module) for m in items):
+        raise TypeError(f"shared_experts must be a module or a non-empty list of modules (each "
+                        f"[n, D] -> [n, D]), got {shared!r}")
+    return items

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["aux_losses", "expert_data_parallel_groups", "expert_data_parallel_groups_from_mesh",
-           "gathered_experts"]
+__all__ = ["aux_losses", "balance_after_step", "expert_data_parallel_groups",
+           "expert_data_parallel_groups_from_mesh", "gathered_experts", "update_routing_biases"]
 
 
 def expert_data_parallel_groups(ep_size: int):
@@ -114,6 +114,50 @@ def aux_losses(model: nn.Module) -> torch.Tensor:
         raise RuntimeError(f"aux_losses: no MoELayer of the model has run a forward yet "
                            f"({', '.join(repr(n) for n, _ in layers[:3])}): call the model first")
     return torch.stack([loss.float() for loss in losses]).sum()
+
+
+def update_routing_biases(model: nn.Module) -> None:
+    """Aux-loss-free balancing for every :class:`MoELayer` of ``model`` built with
+    ``bias_update_rate``: each layer's ``expert_bias += rate · sign(mean_load - load)`` from the
+    token-slots its group routed since the last call (:meth:`MoELayer.update_bias`). Call it
+    after each optimizer step, on every rank. No collective, except with expert x data
+    parallelism: then one all-reduce over the replica group carries every layer's counts.
+
+    Example::
+
+        opt.step()
+        tribucket.moe.update_routing_biases(model)
+    """
+    from .layer import MoELayer
+
+    layers = [m for m in model.modules()
+              if isinstance(m, MoELayer) and m.bias_update_rate is not None]
+    replicated = [m for m in layers
+                  if m.replica_group is not None and dist.get_world_size(m.replica_group) > 1]
+    for m in layers:
+        if m not in replicated:
+            m.update_bias()
+    # layers sharing a replica group: one all-reduce of all their counts
+    by_group: dict[int, list] = {}
+    for m in replicated:
+        by_group.setdefault(id(m.replica_group), []).append(m)
+    for group_layers in by_group.values():
+        loads = torch.tensor([c for m in group_layers for c in m._load_E], dtype=torch.float64,
+                             device=group_layers[0].expert_bias.device)
+        dist.all_reduce(loads, group=group_layers[0].replica_group)
+        for m, load_E in zip(group_layers, loads.split([m.num_experts for m in group_layers])):
+            m._apply_bias_update(load_E)
+
+
+def balance_after_step(optimizer: torch.optim.Optimizer, model: nn.Module):
+    """Run :func:`update_routing_biases` ``(model)`` after every ``optimizer.step()``
+    (an optimizer step post-hook); returns its handle (``.remove()`` stops it).
+
+    Example::
+
+        tribucket.moe.balance_after_step(opt, model)   # once, before training
+    """
+    return optimizer.register_step_post_hook(lambda *_: update_routing_biases(model))
 
 
 @contextlib.contextmanager

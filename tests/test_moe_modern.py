@@ -1,0 +1,503 @@
+"""Grouped experts, shared experts, sigmoid scores and aux-loss-free balancing, against dense
+single-process references.
+
+Shape legend: T tokens, D model dim, F expert hidden width, E experts (global), K top-k,
+L experts per rank, W ranks.
+
+As in test_moe: every rank builds every expert, the router and the shared experts from one
+seed and regenerates every rank's tokens, so it computes the layer densely (a Python loop
+over experts, no permutation, no communication) and compares its own results.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tribucket
+from tribucket.kernels.moe import grouped_matmul, grouped_mm_available
+from test_moe import _CountCollectives
+from test_moe_training import _Net
+from tribucket.moe import (GELUExpert, GroupedExperts, MoELayer, SwiGLUExpert, balance_after_step,
+                           expert_data_parallel_groups, gathered_experts, update_routing_biases)
+
+D, F = 12, 8  # model and expert hidden width
+
+
+def _tokens(seed: int, rank: int, T: int):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+
+
+def _experts(kind: str, E: int, seed: int) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    if kind == "swiglu":
+        return [SwiGLUExpert(D, F) for _ in range(E)]
+    if kind == "gelu":
+        return [GELUExpert(D, F) for _ in range(E)]
+    return [nn.Sequential(nn.Linear(D, F), nn.GELU(), nn.Linear(F, D)) for _ in range(E)]
+
+
+def _dense(x_TD, router, experts, K, *, score="softmax", bias_E=None, shared=(), gate=None):
+    """The layer written out: ``(y_TD, ids_TK, weights_TK)``; the bias picks, scores weigh."""
+    logits_TE = router(x_TD).float()
+    scores_TE = logits_TE.softmax(-1) if score == "softmax" else logits_TE.sigmoid()
+    pick_TE = scores_TE.detach() + (bias_E if bias_E is not None else 0.0)
+    ids_TK = pick_TE.topk(K, -1).indices
+    w_TK = scores_TE.gather(1, ids_TK)
+    w_TK = w_TK / w_TK.sum(-1, keepdim=True) if K > 1 else w_TK
+    y_TD = torch.zeros_like(x_TD)
+    for e, expert in enumerate(experts):
+        t_idx, k_idx = torch.nonzero(ids_TK == e, as_tuple=True)
+        if len(t_idx):
+            y_TD = y_TD.index_add(0, t_idx, w_TK[t_idx, k_idx, None] * expert(x_TD[t_idx]))
+    if shared:
+        s_TD = sum(m(x_TD) for m in shared)
+        y_TD = y_TD + (s_TD * torch.sigmoid(gate(x_TD)) if gate is not None else s_TD)
+    return y_TD, ids_TK, w_TK
+
+
+def _close(name, got, want, atol=2e-6, rtol=1e-5, rank=0):
+    assert got is not None, f"rank {rank}: {name} is None"
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol,
+                               msg=lambda m: f"rank {rank}: {name} differs from the reference\n{m}")
+
+
+# ---------------------------------------------------------------------------------------
+# grouped matmul and GroupedExperts (one process)
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["grouped_mm", "bmm", "loop", "auto"])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_grouped_matmul_equals_a_matmul_per_group(impl, dtype, atol):
+    if impl == "grouped_mm" and not grouped_mm_available("cpu", dtype):
+        pytest.fail(f"torch {torch.__version__} has no CPU grouped_mm for {dtype}")
+    torch.manual_seed(0)
+    counts = [5, 0, 13, 1, 0]  # odd sizes, empty groups; grouped_mm wants 16-byte rows
+    x = torch.randn(sum(counts), 8, dtype=dtype, requires_grad=True)
+    w = torch.randn(5, 8, 16, dtype=dtype, requires_grad=True)
+    y = grouped_matmul(x, w, counts, impl=impl)
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = torch.cat([a @ wf[i] for i, a in enumerate(xf.split(counts))])
+    rx, rw = torch.autograd.grad(ref, (xf, wf), g.float(), retain_graph=True)
+    assert y.shape == ref.shape and y.dtype == dtype
+    for name, a, b in (("y", y, ref), ("x.grad", gx, rx), ("w.grad", gw, rw)):
+        _close(f"{impl} {name}", a.float(), b, atol=atol, rtol=atol)
+    # a gradient with zero strides (what y.sum() sends back) works too
+    gw_sum, = torch.autograd.grad(grouped_matmul(x, w, counts, impl=impl).sum(), (w,))
+    _close(f"{impl} w.grad of y.sum()", gw_sum.float(),
+           torch.autograd.grad(ref.sum(), (wf,))[0], atol=atol, rtol=atol)
+    empty = grouped_matmul(x[:0], w, [0] * 5, impl=impl)
+    assert empty.shape == (0, 16)
+    with pytest.raises(ValueError, match="one entry per group"):
+        grouped_matmul(x, w, counts[:-1], impl=impl)
+    if impl in ("auto", "loop", "bmm"):  # rows of 7 and 9 elements: no grouped GEMM, same sums
+        x7, w79 = x.detach()[:, :7], w.detach()[:, :7, :9]
+        ref7 = torch.cat([a.float() @ w79[i].float() for i, a in enumerate(x7.split(counts))])
+        _close(f"{impl} unaligned", grouped_matmul(x7, w79, counts, impl=impl).float(), ref7,
+               atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "gelu", "sequential"])
+def test_grouped_experts_equal_the_modules_forward_and_backward(kind):
+    modules = _experts(kind, 4, seed=1)
+    grouped = GroupedExperts.from_experts(copy.deepcopy(modules))
+    counts = [3, 0, 6, 2]
+    x = torch.randn(sum(counts), D)
+    g = torch.randn(sum(counts), D)
+    xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (grouped(xg, counts) * g).sum().backward()
+    ref = torch.cat([m(part) for m, part in zip(modules, xr.split(counts))])
+    (ref * g).sum().backward()
+    _close("y", grouped(x, counts), ref.detach(), atol=1e-5)
+    _close("x.grad", xg.grad, xr.grad, atol=1e-5)
+    for l, m in enumerate(modules):  # the stacked gradients, in each module's own layout
+        linears = [c for c in m.modules() if isinstance(c, nn.Linear)]
+        names = ["w1", "w3", "w2"] if kind == "swiglu" else ["w1", "w2"]
+        for name, lin in zip(names, linears if kind != "swiglu" else [m.w1, m.w3, m.w2]):
+            _close(f"expert {l} {name}.grad", getattr(grouped, name).grad[l].t(), lin.weight.grad,
+                   atol=1e-5)
+        if kind != "swiglu":
+            _close(f"expert {l} b1.grad", grouped.b1.grad[l], linears[0].bias.grad, atol=1e-5)
+            _close(f"expert {l} b2.grad", grouped.b2.grad[l], linears[1].bias.grad, atol=1e-5)
+
+
+def test_grouped_experts_state_dict_is_the_module_list_s():
+    modules = _experts("swiglu", 3, seed=2)
+    as_list = nn.ModuleDict({str(5 + l): m for l, m in enumerate(modules)})
+    grouped = GroupedExperts(3, D, F, first_index=5)
+    grouped.load_state_dict(as_list.state_dict())  # a list's checkpoint into the stacks
+    sd = grouped.state_dict()
+    assert list(sd) == list(as_list.state_dict()), (list(sd), list(as_list.state_dict()))
+    for k, v in as_list.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    back = [SwiGLUExpert(D, F) for _ in range(3)]
+    nn.ModuleDict({str(5 + l): m for l, m in enumerate(back)}).load_state_dict(sd)  # and back
+    x = torch.randn(4, D)
+    for m, b, c in zip(modules, back, grouped.to_experts()):
+        assert torch.equal(m(x), b(x)) and torch.equal(m(x), c(x))
+    with pytest.raises(TypeError, match="cannot stack"):
+        GroupedExperts.from_experts([nn.Linear(D, D)])
+    with pytest.raises(ValueError, match="activation"):
+        GroupedExperts(2, D, F, activation="relu")
+
+
+def test_layer_state_dict_round_trip_between_grouped_and_module_list():
+    torch.manual_seed(3)
+    modules = _experts("swiglu", 4, seed=3)
+    shared = SwiGLUExpert(D, F)
+    a = MoELayer(copy.deepcopy(modules), 4, D, top_k=2, shared_experts=copy.deepcopy(shared),
+                 shared_gate=True, score_func="sigmoid", bias_update_rate=0.1)
+    with torch.no_grad():
+        a.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))
+    b = MoELayer(GroupedExperts(4, D, F), 4, D, top_k=2, shared_experts=SwiGLUExpert(D, F),
+                 shared_gate=True, score_func="sigmoid", bias_update_rate=0.1)
+    b.load_state_dict(a.state_dict())
+    assert sorted(b.state_dict()) == sorted(a.state_dict())
+    assert torch.equal(b.expert_bias, a.expert_bias)
+    x = torch.randn(9, D)
+    _close("grouped layer y", b(x), a(x), atol=1e-5)
+    c = MoELayer(copy.deepcopy(modules), 4, D, top_k=2, shared_experts=SwiGLUExpert(D, F),
+                 shared_gate=True, score_func="sigmoid", bias_update_rate=0.1)
+    c.load_state_dict(b.state_dict())  # and back into a list of modules
+    _close("module-list layer y", c(x), a(x), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# routing bias and sigmoid scores (one process)
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_bias_changes_the_selection_but_not_the_weights(score):
+    E, K = 6, 2
+    modules = _experts("swiglu", E, seed=4)
+    torch.manual_seed(4)
+    router = nn.Linear(D, E, bias=False)
+    layer = MoELayer(copy.deepcopy(modules), E, D, top_k=K, router=copy.deepcopy(router),
+                     score_func=score, bias_update_rate=0.01, aux_loss_coef=0.0)
+    bias_E = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 5.0])  # expert 5 always chosen
+    with torch.no_grad():
+        layer.expert_bias.copy_(bias_E)
+    x, g = _tokens(4, 0, 10)
+    xl, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = layer(xl)
+    (y * g).sum().backward()
+    ref_router = copy.deepcopy(router)
+    y_ref, ids_TK, w_TK = _dense(xr, ref_router, modules, K, score=score, bias_E=bias_E)
+    (y_ref * g).sum().backward()
+    assert (ids_TK == 5).any(-1).all(), "the reference must pick expert 5 for every token"
+    assert layer.stats.tokens_per_expert[5] == 10, layer.stats
+    _, ids_nobias, _ = _dense(x, router, modules, K, score=score)
+    assert not torch.equal(ids_nobias, ids_TK), "the bias must have changed the selection"
+    # the weights are the scores themselves (renormalised over the chosen), not score + bias
+    scores_TE = router(x).float()
+    scores_TE = scores_TE.softmax(-1) if score == "softmax" else scores_TE.sigmoid()
+    want_w = scores_TE.gather(1, ids_TK)
+    _close("weights", w_TK.detach(), (want_w / want_w.sum(-1, keepdim=True)).detach())
+    _close("y", y.detach(), y_ref.detach(), atol=1e-5)
+    _close("x.grad", xl.grad, xr.grad, atol=1e-5)
+    _close("router grad", layer.router.weight.grad, ref_router.weight.grad, atol=1e-5)
+    assert layer.aux_loss is not None and float(layer.aux_loss.detach()) == 0.0  # aux loss off
+
+
+def test_bias_update_follows_the_sign_rule_and_is_saved():
+    E, K, rate = 4, 1, 0.25
+    layer = MoELayer(_experts("swiglu", E, seed=5), E, D, top_k=K, bias_update_rate=rate)
+    x = torch.randn(16, D)
+    layer(x)
+    load_E = torch.tensor(layer.stats.tokens_per_expert, dtype=torch.float64)
+    layer(x)  # two forwards before one step: the counts add up
+    update_routing_biases(layer)
+    want = rate * torch.sign(load_E.mean() - load_E).float()
+    _close("expert_bias", layer.expert_bias, want)
+    assert "expert_bias" in layer.state_dict()
+    before = layer.expert_bias.clone()
+    update_routing_biases(layer)  # no token since: unchanged
+    assert torch.equal(layer.expert_bias, before)
+    layer.eval()  # evaluation forwards do not count
+    layer(x)
+    update_routing_biases(layer)
+    assert torch.equal(layer.expert_bias, before)
+
+
+def test_new_arguments_are_checked():
+    ex = _experts("swiglu", 2, seed=6)
+    with pytest.raises(ValueError, match="score_func"):
+        MoELayer(ex, 2, D, score_func="relu")
+    with pytest.raises(ValueError, match="bias_update_rate"):
+        MoELayer(ex, 2, D, bias_update_rate=-1.0)
+    with pytest.raises(ValueError, match="shared_experts=") :
+        MoELayer(ex, 2, D, shared_gate=True)
+    with pytest.raises(TypeError, match="shared_experts"):
+        MoELayer(ex, 2, D, shared_experts=[1])
+    with pytest.raises(ValueError, match="to_experts"):
+        MoELayer(GroupedExperts(2, D, F), 2, D, schedule="pairwise")
+
+
+# ---------------------------------------------------------------------------------------
+# on gloo ranks
+# ---------------------------------------------------------------------------------------
+def _check_parity(case: dict) -> None:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    K, L, kind, seed = case["k"], case["L"], case["kind"], case["seed"]
+    E = W * L
+    tokens = [9 + 4 * r for r in range(W)]
+    experts = _experts(kind, E, seed)
+    torch.manual_seed(seed + 1)
+    router = nn.Linear(D, E, bias=False)
+    shared = [SwiGLUExpert(D, F) for _ in range(case.get("shared", 0))]
+    gate = nn.Linear(D, 1, bias=False) if case.get("gate") else None
+    bias_E = torch.randn(E) * 0.3 if case.get("bias") else None
+    data = [_tokens(seed, r, tokens[r]) for r in range(W)]
+
+    mine = [copy.deepcopy(experts[e]) for e in range(rank * L, rank * L + L)]
+    local = GroupedExperts.from_experts(mine) if case.get("grouped") else mine
+    layer = MoELayer(local, E, D, top_k=K, router=copy.deepcopy(router), expert_grad_scale=1.0,
+                     shared_experts=copy.deepcopy(shared) or None, shared_gate=gate is not None,
+                     score_func=case.get("score", "softmax"),
+                     bias_update_rate=0.01 if bias_E is not None else None)
+    if gate is not None:
+        layer.shared_gate.load_state_dict(gate.state_dict())
+    if bias_E is not None:
+        with torch.no_grad():
+            layer.expert_bias.copy_(bias_E)
+    x = data[rank][0].clone().requires_grad_()
+    y = layer(x)
+    (y * data[rank][1]).sum().backward()
+
+    ref_experts = copy.deepcopy(experts)
+    total = 0.0
+    for r in range(W):  # router and shared experts: a copy per rank (their gradient is local)
+        ref_router, ref_shared, ref_gate = (copy.deepcopy(router), copy.deepcopy(shared),
+                                            copy.deepcopy(gate))
+        xr = data[r][0].clone().requires_grad_()
+        yr, _, _ = _dense(xr, ref_router, ref_experts, K, score=case.get("score", "softmax"),
+                          bias_E=bias_E, shared=ref_shared, gate=ref_gate)
+        total = total + (yr * data[r][1]).sum()
+        if r == rank:
+            x_ref, y_ref, my_router, my_shared, my_gate = xr, yr, ref_router, ref_shared, ref_gate
+    total.backward()
+    _close("y", y, y_ref.detach(), atol=1e-5, rank=rank)
+    _close("x.grad", x.grad, x_ref.grad, atol=1e-5, rank=rank)
+    _close("router grad", layer.router.weight.grad, my_router.weight.grad, atol=1e-5, rank=rank)
+    for i, (m, ref) in enumerate(zip(layer.shared_experts or [], my_shared)):
+        for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+            _close(f"shared {i} {n}.grad", p.grad, q.grad, atol=1e-5, rank=rank)
+    if gate is not None:
+        _close("gate grad", layer.shared_gate.weight.grad, my_gate.weight.grad, atol=1e-5, rank=rank)
+    for l in range(L):
+        e = rank * L + l
+        ref_grads = {k: v.grad for k, v in _as_grouped_names(ref_experts[e]).items()}
+        if case.get("grouped"):
+            got = {k: getattr(layer.experts, name).grad[l] for k, name in _STACKED.items()
+                   if k in ref_grads}
+            got = {k: (g.t() if k.endswith("weight") else g) for k, g in got.items()}
+        else:
+            got = {k: v.grad for k, v in _as_grouped_names(layer.experts[str(e)]).items()}
+        for k in ref_grads:
+            want = ref_grads[k] if ref_grads[k] is not None else torch.zeros_like(got[k])
+            _close(f"expert {e} {k}.grad", got[k], want, atol=1e-5, rank=rank)
+
+
+_STACKED = {"w1.weight": "w1", "w2.weight": "w2", "w3.weight": "w3", "w1.bias": "b1",
+            "w2.bias": "b2"}
+
+
+def _as_grouped_names(m: nn.Module) -> dict[str, torch.Tensor]:
+    if isinstance(m, nn.Sequential):
+        return {"w1.weight": m[0].weight, "w1.bias": m[0].bias, "w2.weight": m[2].weight,
+                "w2.bias": m[2].bias}
+    return dict(m.named_parameters())
+
+
+def _parity_worker(cases):
+    failures = []
+    for case in cases:
+        try:
+            _check_parity(case)
+        except Exception as e:  # noqa: BLE001 - report, and stay in step with the other ranks
+            failures.append(f"rank {dist.get_rank()}, case {case}: {type(e).__name__}: {e}")
+    return failures
+
+
+PARITY = [
+    # DeepSeek-like: grouped SwiGLU experts, a gated shared expert, sigmoid scores, a bias
+    dict(kind="swiglu", grouped=True, L=3, k=2, shared=1, gate=True, score="sigmoid", bias=True,
+         seed=11),
+    # two ungated shared experts beside a list of Sequential GELU experts, softmax, top-1
+    dict(kind="sequential", L=2, k=1, shared=2, seed=12),
+    # grouped GELU experts with biases, softmax scores moved by a bias, no shared expert
+    dict(kind="gelu", grouped=True, L=2, k=2, bias=True, seed=13),
+    # sigmoid with a list of SwiGLU experts and one shared expert
+    dict(kind="swiglu", L=1, k=2, shared=1, score="sigmoid", seed=14),
+]
+
+
+@pytest.mark.dist
+def test_layer_features_match_dense_reference(dist_run):
+    failures = sum(dist_run(_parity_worker, PARITY, world_size=2), [])
+    assert not failures, "\n\n".join(failures)
+
+
+def _overlap_order_worker():
+    """Events in order: when each asynchronous all-to-all starts and is waited for, and
+    when the shared expert runs forward and backward."""
+    log: list[str] = []
+    real = dist.all_to_all_single
+
+    class _Work:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            log.append("wait")
+            return self.work.wait()
+
+    def a2a(*args, async_op=False, **kw):
+        if not async_op:
+            log.append("a2a")
+            return real(*args, **kw)
+        log.append("start")
+        return _Work(real(*args, async_op=True, **kw))
+
+    class Shared(SwiGLUExpert):
+        def forward(self, x):
+            log.append("shared forward")
+            y = super().forward(x)
+            if y.requires_grad:
+                y.register_hook(lambda g: log.append("shared backward"))
+            return y
+
+    torch.manual_seed(0)
+    W = dist.get_world_size()
+    layer = MoELayer(GroupedExperts(2, D, F), 2 * W, D, top_k=2, shared_experts=Shared(D, F),
+                     bias_update_rate=0.1)
+    x = torch.randn(10 + 3 * dist.get_rank(), D, requires_grad=True)
+    dist.all_to_all_single = a2a
+    try:
+        layer(x).sum().backward()
+    finally:
+        dist.all_to_all_single = real
+    order = list(log)
+    with _CountCollectives() as counted:  # the bias update needs no collective
+        update_routing_biases(layer)
+    # every expert on this rank (grouped experts unstacked, shared expert, bias): the same y
+    # as the expert-parallel forward, with no collective
+    with torch.no_grad():
+        y_ep = layer(x)
+        with gathered_experts(layer), _CountCollectives() as inside:
+            y_here = layer(x)
+    torch.testing.assert_close(y_here, y_ep, atol=1e-5, rtol=1e-5)
+    assert inside.calls == [], inside.calls
+    return order, counted.calls, layer.expert_bias
+
+
+@pytest.mark.dist
+def test_shared_expert_runs_while_the_tokens_travel(dist_run):
+    # forward: counts, then the token exchange started, the shared expert, its wait, then the
+    # return exchange; backward: the return's reverse, then the dispatch's reverse started,
+    # the shared expert's backward, its wait. Five all-to-alls, as without a shared expert.
+    want = ["a2a", "start", "shared forward", "wait", "a2a", "a2a", "start", "shared backward",
+            "wait"]
+    results = dist_run(_overlap_order_worker, world_size=2)
+    for log, calls, bias in results:
+        assert log == want, log
+        assert calls == [], calls
+        assert torch.equal(bias, results[0][2]) and bias.abs().sum() > 0, bias
+
+
+class _DenseNet(nn.Module):
+    """in -> ReLU -> (MoE written out, every expert here) -> head; the bias trained by hand."""
+
+    def __init__(self, router, experts, shared, gate, seed, K, rate):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp, self.head = nn.Linear(D, D), nn.Linear(D, D)
+        self.router, self.experts = router, nn.ModuleList(experts)
+        self.shared, self.gate = nn.ModuleList(shared), gate
+        self.K, self.rate = K, rate
+        self.bias_E = torch.zeros(len(experts))
+        self.load_E = torch.zeros(len(experts))
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        y, ids_TK, _ = _dense(h, self.router, list(self.experts), self.K, score="sigmoid",
+                              bias_E=self.bias_E, shared=list(self.shared), gate=self.gate)
+        self.load_E += torch.bincount(ids_TK.reshape(-1), minlength=len(self.experts)).float()
+        return self.head(y)
+
+    def update(self):
+        self.bias_E += self.rate * torch.sign(self.load_E.mean() - self.load_E)
+        self.load_E.zero_()
+
+
+def _train_worker(ep_size: int):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    L, K, seed, steps, rate = 2, 2, 21, 3, 0.05
+    E = ep_size * L
+    ep, replicas = expert_data_parallel_groups(ep_size)
+    experts = _experts("swiglu", E, seed)
+    torch.manual_seed(seed + 1)
+    router, shared, gate = nn.Linear(D, E, bias=False), [SwiGLUExpert(D, F)], nn.Linear(D, 1, bias=False)
+    ref = _DenseNet(copy.deepcopy(router), copy.deepcopy(experts), copy.deepcopy(shared),
+                    copy.deepcopy(gate), seed, K, rate)
+    first = dist.get_rank(ep) * L
+    local = GroupedExperts.from_experts([copy.deepcopy(experts[e]) for e in range(first, first + L)])
+    layer = MoELayer(local, E, D, top_k=K, router=copy.deepcopy(router), group=ep,
+                     replica_group=replicas, shared_experts=copy.deepcopy(shared), shared_gate=True,
+                     score_func="sigmoid", bias_update_rate=rate, aux_loss_coef=0.0)
+    layer.shared_gate.load_state_dict(gate.state_dict())
+    model = _Net(layer, seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    balance_after_step(opt, model)
+    data = lambda r, s: _tokens(seed * 10 + s, r, 6 + 3 * r)  # noqa: E731
+    biases = []
+    with tribucket.fused_bucketing(model):
+        for step in range(steps):
+            x, t = data(rank, step)
+            nn.functional.mse_loss(model(x), t).backward()
+            opt.step()
+            opt.zero_grad()
+            biases.append(layer.expert_bias.clone())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.3)
+    ref_biases = []
+    for step in range(steps):
+        total = sum(nn.functional.mse_loss(ref(data(r, step)[0]), data(r, step)[1])
+                    for r in range(world))
+        (total / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref.update()
+        ref_biases.append(ref.bias_E.clone())
+    got = dict(model.named_parameters())
+    want = {"inp.weight": ref.inp.weight, "inp.bias": ref.inp.bias, "head.weight": ref.head.weight,
+            "head.bias": ref.head.bias, "moe.router.weight": ref.router.weight,
+            "moe.shared_gate.weight": ref.gate.weight}
+    for n, p in ref.shared[0].named_parameters():
+        want[f"moe.shared_experts.0.{n}"] = p
+    for name in ("w1", "w2", "w3"):
+        want[f"moe.experts.{name}"] = torch.stack(
+            [getattr(ref.experts[e], name).weight.t() for e in range(first, first + L)])
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    return {"got": {n: p.detach().clone() for n, p in got.items()},
+            "want": {n: p.detach().clone() for n, p in want.items()},
+            "biases": biases, "ref_biases": ref_biases}
+
+
+@pytest.mark.dist
+def test_training_with_every_feature_matches_dense_reference(dist_run):
+    # 2 expert-parallel groups x 2 replicas: the bias counts summed over the replica group,
+    # so every rank of the world moves its bias alike
+    results = dist_run(_train_worker, 2, world_size=4)
+    for rank, out in enumerate(results):
+        for n, p in out["got"].items():
+            _close(f"{n} after training", p, out["want"][n], atol=2e-5, rtol=1e-4, rank=rank)
+        for step, (b, rb) in enumerate(zip(out["biases"], out["ref_biases"])):
+            _close(f"expert_bias after step {step}", b, rb, rank=rank)
+            # every rank of the world holds the same bias, to the bit
+            assert torch.equal(b, results[0]["biases"][step]), (rank, step)
+    assert results[0]["biases"][-1].abs().sum() > 0, "the bias must have moved"

@@ -1,0 +1,334 @@
+"""``tribucket.DistributedDataParallel`` against torch DDP on 2 gloo ranks: a nanoGPT-style
+training loop (compiled and not), ``state_dict`` keys, DDP's methods, the refused keywords and
+the reducer's release."""
+
+from __future__ import annotations
+
+import gc
+import math
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import tribucket
+from models import batch, build, loss_of
+from test_reducer import assert_states_equal
+
+
+# ---------------------------------------------------------------- a nanoGPT-style model
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(D, dim=2)
+        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(B, T, D))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """nanoGPT's shape: token + position embeddings, blocks, final LayerNorm, a head tied to
+    the token embedding; ``forward(idx, targets) -> (logits, loss)``."""
+
+    def __init__(self, vocab=32, block=8, d=16, layers=2, heads=2):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def _gpt(seed: int, compiled: bool) -> nn.Module:
+    torch.manual_seed(seed)
+    model = GPT()
+    # aot_eager: dynamo and AOT autograd as inductor runs them, without compiling C++ kernels
+    return torch.compile(model, backend="aot_eager") if compiled else model
+
+
+def _train_nanogpt(model, iters: int = 3, grad_accum: int = 2) -> list[float]:
+    """nanoGPT's train.py loop: accumulate by toggling require_backward_grad_sync, clip,
+    AdamW over ``model.module``'s parameters."""
+    rank = dist.get_rank()
+    raw = model.module
+    opt = torch.optim.AdamW(raw.parameters(), lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+    norms = []
+    for _ in range(iters):
+        for micro_step in range(grad_accum):
+            model.require_backward_grad_sync = micro_step == grad_accum - 1
+            x = torch.randint(0, 32, (4, 8), generator=gen)
+            y = torch.randint(0, 32, (4, 8), generator=gen)
+            _, loss = model(x, y)
+            (loss / grad_accum).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return norms
+
+
+def _nanogpt_vs_ddp(compiled: bool):
+    rank = dist.get_rank()
+    theirs = DDP(_gpt(seed=rank, compiled=compiled))
+    ours = tribucket.DistributedDataParallel(_gpt(seed=10 + rank, compiled=compiled))
+    assert list(ours.state_dict()) == list(theirs.state_dict()), "state_dict keys differ"
+    prefix = "module._orig_mod." if compiled else "module."
+    assert all(k.startswith(prefix) for k in ours.state_dict())
+    ours.load_state_dict(theirs.state_dict())  # strict: DDP's checkpoint loads as it is
+    ddp_norms, our_norms = _train_nanogpt(theirs), _train_nanogpt(ours)
+    for (name, a), b in zip(ours.module.named_parameters(), theirs.module.parameters()):
+        torch.testing.assert_close(a, b, msg=lambda m: f"rank {rank}, {name}: {m}")
+    torch.testing.assert_close(our_norms, ddp_norms)
+    return [p.detach().clone() for p in ours.parameters()], our_norms
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_nanogpt_loop_ends_with_ddp_parameters(dist_run, compiled):
+    results = dist_run(_nanogpt_vs_ddp, compiled, timeout=300)
+    for a, b in zip(results[0][0], results[1][0]):
+        assert torch.equal(a, b), "the ranks' parameters differ"
+    # accumulation held the micro-batches back: a different loop would give other norms
+    assert all(math.isfinite(n) and n > 0 for n in results[0][1])
+
+
+def _accumulation_is_local():
+    """A backward whose forward ran with require_backward_grad_sync=False keeps each rank's
+    own gradient (DDP's too), and the next synced one averages the sum."""
+    rank = dist.get_rank()
+    ours = tribucket.DistributedDataParallel(build("mlp"))
+    theirs = DDP(build("mlp"))
+    for model in (ours, theirs):
+        model.require_backward_grad_sync = False
+        loss_of(model(batch("mlp", rank, 0))).backward()
+    local = [p.grad.clone() for p in ours.parameters()]
+    for a, b in zip(local, theirs.parameters()):
+        torch.testing.assert_close(a, b.grad)
+    for model in (ours, theirs):
+        model.require_backward_grad_sync = True
+        loss_of(model(batch("mlp", rank, 1))).backward()
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    return local
+
+
+def test_require_backward_grad_sync_false_accumulates_locally(dist_run):
+    local = dist_run(_accumulation_is_local)
+    assert any(not torch.equal(a, b) for a, b in zip(*local)), \
+        "rank-local gradients should differ across ranks"
+
+
+# ---------------------------------------------------------------- DDP's methods
+def _methods_vs_ddp():
+    rank = dist.get_rank()
+    out = {}
+    # no_sync, a torch comm hook, model.module, train()/eval() returning the wrapper
+    ours = tribucket.DistributedDataParallel(build("mlp"), bucket_cap_mb=0.001)
+    theirs = DDP(build("mlp"), bucket_cap_mb=0.001)
+    for model in (ours, theirs):
+        model.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+        assert model.train() is model
+        with model.no_sync():
+            loss_of(model(batch("mlp", rank, 0))).backward()
+        loss_of(model(batch("mlp", rank, 1))).backward()
+    assert isinstance(ours.module, type(theirs.module))
+    assert_states_equal(ours, theirs, f"rank {rank}: ")
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    ddp_data, our_data = theirs._get_ddp_logging_data(), ours._get_ddp_logging_data()
+    for key in ("world_size", "rank", "module_name", "num_parameter_tensors",
+                "total_parameter_size_bytes", "bucket_cap_bytes", "comm_hook"):
+        assert our_data[key] == ddp_data[key], (key, our_data[key], ddp_data[key])
+    for key in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view",
+                "bucket_bytes_cap", "broadcast_buffers"):
+        assert getattr(ours, key) == getattr(theirs, key), key
+    ours.close()
+
+    # _set_static_graph() after construction, with a parameter never used
+    ours = tribucket.DistributedDataParallel(build("branchy_static"))
+    theirs = DDP(build("branchy_static"))
+    for model in (ours, theirs):
+        model._set_static_graph()
+        for step in range(3):
+            loss_of(model(batch("branchy_static", rank, step))).backward()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            model._set_static_graph()
+        assert any("static_graph" in str(w.message) for w in seen)
+    assert ours.static_graph and ours._get_ddp_logging_data()["static_graph"] == 1
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    ours.close()
+
+    # join() on uneven inputs: rank 1 has one batch more
+    ours = tribucket.DistributedDataParallel(build("bn"))
+    theirs = DDP(build("bn"))
+    for model in (ours, theirs):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with model.join():
+            for step in range(2 + rank):
+                loss_of(model(batch("bn", rank, step))).backward()
+                opt.step()
+                opt.zero_grad()
+    assert_states_equal(ours, theirs, f"rank {rank}, after join: ")
+    out["joined"] = [p.detach().clone() for p in ours.parameters()]
+    return out
+
+
+def test_methods_match_ddp(dist_run):
+    results = dist_run(_methods_vs_ddp, timeout=180)
+    for a, b in zip(results[0]["joined"], results[1]["joined"]):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- the reducer's release
+def _release():
+    rank = dist.get_rank()
+    model = build("mlp")
+    wrapped = tribucket.DistributedDataParallel(model)
+    assert model._forward_pre_hooks, "the reducer attaches its forward hooks"
+    ref = weakref.ref(wrapped)
+    gc.disable()  # freed by reference counting alone, not by a later collection
+    try:
+        del wrapped
+        assert ref() is None, "the dropped wrapper is still referenced (a reference cycle?)"
+        assert not model._forward_pre_hooks and not model._forward_hooks, \
+            "a dropped wrapper leaves its hooks on the module"
+    finally:
+        gc.enable()
+    again = tribucket.DistributedDataParallel(model)  # the parameters are free again
+    loss_of(again(batch("mlp", rank, 0))).backward()
+    averaged = [p.grad.clone() for p in model.parameters()]
+    again.close()
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    with pytest.raises(RuntimeError, match="closed"):
+        again(batch("mlp", rank, 1))
+    model.zero_grad()
+    loss_of(model(batch("mlp", rank, 1))).backward()   # a plain module: local gradients
+    local = [p.grad.clone() for p in model.parameters()]
+
+    # wrapping again while the first wrapper lives (a loop over options): the newer one
+    # averages, the older one refuses to run; a wrapper of a wrapper is refused
+    first = tribucket.DistributedDataParallel(model)
+    second = tribucket.DistributedDataParallel(model, find_unused_parameters=True)
+    theirs = DDP(build("mlp"), find_unused_parameters=True)
+    model.zero_grad()
+    for m in (second, theirs):
+        loss_of(m(batch("mlp", rank, 2))).backward()
+    for a, b in zip(model.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    with pytest.raises(RuntimeError, match="wrapped again"):
+        first(batch("mlp", rank, 3))
+    with pytest.raises(ValueError, match="already averaged by another reducer"):
+        tribucket.DistributedDataParallel(second)
+    second.close()
+    return averaged, local
+
+
+def test_close_and_garbage_collection_release_the_module(dist_run):
+    (avg0, local0), (avg1, local1) = dist_run(_release)
+    assert all(torch.equal(a, b) for a, b in zip(avg0, avg1)), "averaged while wrapped"
+    assert any(not torch.equal(a, b) for a, b in zip(local0, local1)), "local once closed"
+
+
+# ---------------------------------------------------------------- DDP's keywords
+def _constructor_errors():
+    model = build("mlp")
+    cases = {
+        "mixed_precision": dict(mixed_precision=object()),
+        "delay_all_reduce_named_params": dict(delay_all_reduce_named_params=[],
+                                              param_to_hook_all_reduce=model.head.weight),
+        "skip_all_reduce_unused_params": dict(skip_all_reduce_unused_params=True),
+        "bucket_cap_mb_list": dict(bucket_cap_mb_list=[1, 2]),
+        "device_ids": dict(device_ids=[0]),
+        "no_such_option": dict(no_such_option=1),
+    }
+    out = {}
+    for name, kwargs in cases.items():
+        try:
+            tribucket.DistributedDataParallel(model, **kwargs)
+        except (ValueError, TypeError) as e:
+            out[name] = (type(e).__name__, str(e))
+    frozen = build("mlp").requires_grad_(False)
+    for module in (frozen, nn.ReLU()):
+        try:
+            tribucket.DistributedDataParallel(module)
+        except RuntimeError as e:
+            out.setdefault("frozen", []).append(str(e))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tribucket.DistributedDataParallel(model, None, None, 0, True, True, None, 25, False,
+                                          True).close()  # DDP's positions; check_reduction
+    out["check_reduction"] = [str(w.message) for w in seen if w.category is FutureWarning]
+    assert not model._forward_pre_hooks
+    return out
+
+
+def test_ddp_keywords_are_accepted_or_refused_by_name(dist_run):
+    out = dist_run(_constructor_errors)[0]
+    for name in ("mixed_precision", "delay_all_reduce_named_params",
+                 "skip_all_reduce_unused_params", "bucket_cap_mb_list", "device_ids"):
+        kind, msg = out[name]
+        assert kind == "ValueError" and name in msg, (name, msg)
+    kind, msg = out["no_such_option"]
+    assert kind == "TypeError" and "no_such_option" in msg and "timeout" in msg
+    assert len(out["frozen"]) == 2
+    assert all("doesn't have any parameter that requires a gradient" in m for m in out["frozen"])
+    assert any("check_reduction" in m for m in out["check_reduction"])
+
+
+# ---------------------------------------------------------------- torch.save of the wrapper
+def _pickle_roundtrip():
+    """torch.save / torch.load of the wrapper on every rank, as DDP's: the loaded one has
+    the same options and parameters and averages gradients as DDP does. (Loading attaches a
+    reducer, which broadcasts rank 0's buffers at once; DDP's loaded copy does at its next
+    training forward.)"""
+    import io
+
+    rank = dist.get_rank()
+    ours = tribucket.DistributedDataParallel(build("bn"), find_unused_parameters=True)
+    theirs = DDP(build("bn"), find_unused_parameters=True)
+    for model in (ours, theirs):
+        loss_of(model(batch("bn", rank, 0))).backward()
+    buf = io.BytesIO()
+    torch.save(ours, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.find_unused_parameters and loaded.module is not ours.module
+    assert list(loaded.state_dict()) == list(theirs.state_dict())
+    for a, b in zip(loaded.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b)  # (buffers: loading broadcasts rank 0's, see below)
+    ours.close()
+    loaded.module.zero_grad()
+    theirs.module.zero_grad()
+    for model in (loaded, theirs):
+        loss_of(model(batch("bn", rank, 1))).backward()
+    for a, b in zip(loaded.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert_states_equal(loaded, theirs, f"rank {rank}, loaded, after a step: ")
+    return [p.grad.clone() for p in loaded.parameters()]
+
+
+def test_pickled_wrapper_trains_as_ddp(dist_run):
+    g0, g1 = dist_run(_pickle_roundtrip)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
