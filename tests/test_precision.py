@@ -377,3 +377,30 @@ def test_epilogue_costs_nothing_when_nobody_asks(dist_run, wire):
         assert reads == [0, 0, 0], f"norm/isfinite calls during backward: {reads}"
         assert flag == 0.0
 
+
+
+def _clip_norm_of_large_buckets():
+    """Buckets of millions of elements after the rebuild: the norm tribucket.clip_grad_norm_
+    takes from the buckets is as close to the exact norm as torch's (a single fp32 sum over a
+    flat 7M-element bucket was 1.9e-3 off from the second step on)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+    out = []
+    with tribucket.fused_bucketing(model):
+        for step in range(3):
+            torch.manual_seed(10 * rank + step)
+            model(torch.randn(8, 1024)).square().mean().backward()
+            grads = [p.grad for p in model.parameters()]
+            exact = torch.sqrt(sum(g.double().square().sum() for g in grads)).item()
+            theirs = torch.nn.utils.get_total_norm(grads).item()
+            mine = float(tribucket.clip_grad_norm_(model, 1e9))
+            out.append((abs(mine / exact - 1), abs(theirs / exact - 1)))
+            model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_clip_norm_of_large_buckets_is_as_accurate_as_torch(dist_run):
+    for steps in dist_run(_clip_norm_of_large_buckets, world_size=2):
+        for mine, theirs in steps:
+            assert mine <= 2 * theirs + 1e-6, steps

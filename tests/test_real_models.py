@@ -327,16 +327,8 @@ def _check_ranks(results: list[dict], name: str, pattern: str) -> None:
 
 
 _FP32_CASES = [(m, p) for m in MODELS if m != "bert-pretraining" for p in ("no_sync", "clip")]
-# tribucket.clip_grad_norm_'s norm from the buckets is further from the exact norm than
-# torch's after the first step (resnet18: 1.2e-4 relative at step 1; a stack of 10
-# Linear(1024, 1024): 1.9e-3 from step 1 on, exact at step 0); strict: passes once fixed
-_KNOWN = {("resnet18", "clip"): pytest.mark.xfail(
-    strict=True, reason="fused clip norm inaccurate after the first step")}
-
-
 @pytest.mark.dist
-@pytest.mark.parametrize("name,pattern", [pytest.param(m, p, id=f"{m}-{p}",
-                                                        marks=_KNOWN.get((m, p), ()))
+@pytest.mark.parametrize("name,pattern", [pytest.param(m, p, id=f"{m}-{p}")
                                            for m, p in _FP32_CASES])
 def test_trains_like_ddp(dist_run, name, pattern):
     results = dist_run(_train_pair, name, pattern, timeout=180)

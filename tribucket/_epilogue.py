@@ -9,8 +9,10 @@ Passes over gradient memory, per bucket and backward:
   writes the gradients: **zero extra passes**;
 * the bucket is *lent* (its averaged buffer becomes the ``.grad`` views: no pass at all),
   or unpacked by the torch path (CPU): the statistics are computed the first time someone
-  asks, with one vectorised read of the flat bucket (or of its gradients when they are not
-  views of it): **one read**, only in iterations that use them, and it replaces the read that
+  asks, with one vectorised read of the bucket's gradients (a norm per gradient, combined
+  as ``clip_grad_norm_`` combines them: one fp32 sum over millions of elements of a flat
+  bucket loses up to ~1e-3 of the norm): **one read**, only in iterations that use them, and
+  it replaces the read that
   ``clip_grad_norm_`` (``_foreach_norm``) and ``GradScaler.unscale_`` (the inf check) would
   each make. Nobody asks: nothing is computed.
 
@@ -200,8 +202,7 @@ class Epilogue:
         rec = self.fresh(b) if self.mems[b] is not None else None
         if rec is not None and rec.norm is not None:
             return rec.norm, rec.flag
-        flat = self._flat(b) if rec is not None else None
-        tensors = [flat] if flat is not None else self._grads(b)
+        tensors = self._grads(b)
         if any(t.is_sparse for t in tensors):
             tensors = [t.coalesce()._values() if t.is_sparse else t for t in tensors]
         norm = _norm_of(tensors).to(self.device)
