@@ -245,11 +245,22 @@ class _FakeBuilds:
         self.folder, self.delay, self.fail = pathlib.Path(folder), delay, fail
 
     def __enter__(self):
+        import sys
+
         self.saved = (native._module, native._error, native._building, native.build_dir,
-                      native._build)
+                      native._build, native.BUILD_COMMAND)
         native._module = native._error = native._building = None
         native.build_dir = lambda: self.folder
         native._build = self.build
+        # the background build is a process of its own: the same stand-in, as a command
+        self.folder.mkdir(parents=True, exist_ok=True)
+        target = self.folder / f"{native._NAME}.so"
+        native.BUILD_COMMAND = [sys.executable, "-c", (
+            "import shutil, sys, time\n"
+            f"open({str(self.folder / 'builds.log')!r}, 'a').write('background\\n')\n"
+            f"time.sleep({self.delay})\n"
+            + (f"print({self.fail!r}); sys.exit(1)\n" if self.fail else
+               f"shutil.copy({self.real.__file__!r}, {str(target)!r})\n"))]
         return self
 
     def build(self, where):
@@ -266,9 +277,9 @@ class _FakeBuilds:
 
     def __exit__(self, *exc):
         if native._building is not None:
-            native._building.join(60)
+            native._building.wait(60)
         (native._module, native._error, native._building, native.build_dir,
-         native._build) = self.saved
+         native._build, native.BUILD_COMMAND) = self.saved
 
 
 def _trains_while_building(folder):
@@ -373,14 +384,14 @@ def _unwritable_cache(required):
             with tribucket.fused_bucketing(model, native_hooks=required) as reducer:
                 loss_of(model(batch("mlp", dist.get_rank(), 0))).backward()
                 if native._building is not None:
-                    native._building.join(30)
+                    native._building.wait(60)
                 loss_of(model(batch("mlp", dist.get_rank(), 1))).backward()
                 return "python", reducer._bw.native is NO_NATIVE
         except RuntimeError as e:
             return "error", str(e)
     finally:
         if native._building is not None:
-            native._building.join(30)
+            native._building.wait(60)
         native._module, native._error, native._building, env = saved
         os.environ.pop("TORCH_EXTENSIONS_DIR")
         if env is not None:

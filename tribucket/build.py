@@ -42,7 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tribucket.build", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", action="store_true", help="report only, build nothing")
+    parser.add_argument("--quiet", action="store_true",
+                        help="build and print nothing but, on failure, the reason (last line)")
     args = parser.parse_args(argv)
+    if args.quiet:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ok = native.load() is not None
+        if not ok:
+            print(native.unavailable_reason(), flush=True)
+        return 0 if ok else 1
     took = None
     if not args.report:
         t0 = time.perf_counter()

@@ -24,7 +24,9 @@ import importlib.util
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
+import tempfile
 import threading
 import warnings
 import weakref
@@ -39,7 +41,11 @@ _lock = threading.Lock()
 _start_lock = threading.Lock()
 _module = None
 _error: str | None = None
-_building: threading.Thread | None = None  # the background build of this process
+_building: subprocess.Popen | None = None  # the background build this process started
+_build_log = None                          # its output (read if it fails)
+#: the background build: a process of its own, in its own session, so that it outlives a
+#: short script (a build in a thread would die with it, half done, at every exit)
+BUILD_COMMAND = [sys.executable, "-m", "tribucket.build", "--quiet"]
 
 
 def load(wait: bool = True):
@@ -47,10 +53,11 @@ def load(wait: bool = True):
     :func:`unavailable_reason`).
 
     ``wait=False``: the extension if it is built already (importing a cached binary takes
-    milliseconds), else None at once, with the build started in a background thread of
-    this process (once; :func:`ready` tells when it is over). Processes sharing a machine
-    build it once between them: the others wait for that build in their own thread."""
-    global _module, _error, _building
+    milliseconds), else None at once, with the build started in a background process
+    (``python -m tribucket.build``, once per process; :func:`ready` tells when it is over).
+    Processes sharing a machine build it once between them (a file lock): the other builds
+    wait for it and find the binary."""
+    global _module, _error, _building, _build_log
     if _module is not None or _error is not None:
         return _module
     if not wait:
@@ -62,28 +69,51 @@ def load(wait: bool = True):
             return load()
         with _start_lock:
             if _building is None:
-                _building = threading.Thread(target=load, name="tribucket-native-build",
-                                             daemon=True)
-                _building.start()
+                _build_log = tempfile.TemporaryFile()
+                try:
+                    _building = subprocess.Popen(BUILD_COMMAND, stdin=subprocess.DEVNULL,
+                                                 stdout=_build_log, stderr=subprocess.STDOUT,
+                                                 start_new_session=True)
+                except OSError as e:
+                    _fail(e)
         return None
     with _lock:
         if _module is None and _error is None:
             try:
                 _module = _load_or_build(build_dir())
             except Exception as e:  # noqa: BLE001 - any build failure means "use Python"
-                lines = str(e).strip().splitlines()
-                _error = f"{type(e).__name__}: {lines[-1] if lines else ''}"
-                warnings.warn("tribucket: the native gradient hooks could not be built "
-                              f"({_error}); using the Python hooks (same results, more host "
-                              "time per gradient). Install a C++ compiler and `ninja`, or "
-                              "pass native_hooks=False to silence this.", RuntimeWarning,
-                              stacklevel=3)
+                _fail(e)
     return _module
 
 
 def ready() -> bool:
-    """Whether :func:`load` has its answer (the extension, or why not) without waiting."""
-    return _module is not None or _error is not None
+    """Whether :func:`load` has its answer (the extension, or why not) without waiting:
+    loaded or failed already, or the binary is built, or the background build failed."""
+    if _module is not None or _error is not None:
+        return True
+    try:
+        if (build_dir() / f"{_NAME}.so").exists():
+            return True
+    except Exception:  # noqa: BLE001 - load() reports it
+        return True
+    child = _building
+    if child is None or child.poll() is None:
+        return False
+    if child.returncode != 0 and _error is None:
+        _build_log.seek(0)
+        lines = _build_log.read().decode(errors="replace").strip().splitlines()
+        _fail(RuntimeError(lines[-1] if lines else f"exit code {child.returncode}"))
+    return True
+
+
+def _fail(e: BaseException) -> None:
+    global _error
+    lines = str(e).strip().splitlines()
+    _error = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+    warnings.warn("tribucket: the native gradient hooks could not be built "
+                  f"({_error}); using the Python hooks (same results, more host "
+                  "time per gradient). Install a C++ compiler and `ninja`, or "
+                  "pass native_hooks=False to silence this.", RuntimeWarning, stacklevel=4)
 
 
 def build_dir() -> pathlib.Path:
