@@ -323,22 +323,15 @@ def _check_ranks(results: list[dict], name: str, pattern: str) -> None:
         digests = [r["digest"][key] for r in results]
         assert len(set(digests)) == 1, f"{name}, {pattern}: the ranks' {key} models differ"
     # the steps changed the weights: a run that trained nothing would compare equal too
-    assert all(r["moved"] > 1e-4 for r in results), f"{name}, {pattern}: weights did not move"
+    # (clip: SGD at lr 1e-2 on gradients clipped to a total norm of 0.1 moves no weight far)
+    least = 1e-6 if pattern == "clip" else 1e-4
+    moved = [r["moved"] for r in results]
+    assert all(m > least for m in moved), f"{name}, {pattern}: weights did not move: {moved}"
 
 
 _FP32_CASES = [(m, p) for m in MODELS if m != "bert-pretraining" for p in ("no_sync", "clip")]
-# tribucket.clip_grad_norm_ combines per-bucket norms where torch's clip stacks one norm per
-# gradient: the totals differ in the last bits (1e-7 relative), so the clip coefficients
-# do, and resnet18 (its last BatchNorm normalises 4 values) amplifies that to 1.2e-4 in the
-# next step's norm; strict: passes once the total is formed as torch forms it
-_KNOWN = {("resnet18", "clip"): pytest.mark.xfail(
-    strict=True, reason="clip total formed from per-bucket norms, not torch's per-gradient "
-                        "stack: last-bit differences that resnet18 amplifies")}
-
-
 @pytest.mark.dist
-@pytest.mark.parametrize("name,pattern", [pytest.param(m, p, id=f"{m}-{p}",
-                                                        marks=_KNOWN.get((m, p), ()))
+@pytest.mark.parametrize("name,pattern", [pytest.param(m, p, id=f"{m}-{p}")
                                            for m, p in _FP32_CASES])
 def test_trains_like_ddp(dist_run, name, pattern):
     results = dist_run(_train_pair, name, pattern, timeout=180)

@@ -83,7 +83,7 @@ class _Record:
     of every backward whether or not anything reads it. Otherwise: a weak reference and a
     version per gradient."""
 
-    __slots__ = ("views", "version", "refs", "versions", "norm", "flag")
+    __slots__ = ("views", "version", "refs", "versions", "norm", "flag", "pnorms")
 
     def __init__(self, grads: list | None, views: tuple | None = None):
         self.views = views
@@ -94,6 +94,7 @@ class _Record:
             self.versions = [0 if g is None else g._version for g in grads]
         self.norm: torch.Tensor | None = None  # 0-dim float32, computed on demand
         self.flag: torch.Tensor | None = None  # 0-dim float32: 1.0 = some value inf/NaN
+        self.pnorms: dict | None = None  # id(parameter) -> its gradient's norm (clipping)
 
     def is_current(self, params: list[torch.Tensor]) -> bool:
         """Whether every parameter's ``.grad`` is still the tensor recorded, unmodified."""
@@ -211,6 +212,21 @@ class Epilogue:
             rec.norm, rec.flag = norm, flag
         return norm, flag
 
+    def param_norms(self, b: int) -> dict | None:
+        """``id(parameter) -> 2-norm`` of each gradient of fresh bucket ``b`` (one
+        ``_foreach_norm``, as torch's clip computes them, kept until the gradients change),
+        or None when the bucket is not fresh or holds a sparse gradient."""
+        rec = self.fresh(b) if self.mems[b] is not None else None
+        if rec is None:
+            return None
+        if rec.pnorms is None:
+            qs = [q for q in self.params[b] if q.grad is not None]
+            grads = [q.grad for q in qs]
+            if any(g.is_sparse for g in grads):
+                return None
+            rec.pnorms = dict(zip(map(id, qs), norms_fp32(grads))) if grads else {}
+        return rec.pnorms
+
     def found_inf(self, out: torch.Tensor) -> torch.Tensor:
         """Fill ``out`` (1 element) with 1.0 when a gradient of the reducer is inf/NaN."""
         flags = [self.figures(b)[1] for b in range(len(self.params))]
@@ -257,6 +273,7 @@ class Epilogue:
         # views of the buffer before a rebuild), whose version counter both writes bump
         for b, rec in zip(buckets, recs):
             rec.update_versions(self.params[b])
+            rec.pnorms = None  # read again if asked: torch's clip reads the scaled values
             if rec.norm is not None:
                 f = factor if isinstance(factor, torch.Tensor) else torch.tensor(factor)
                 # |factor| <= 1 (unscaling, clipping) keeps finite values finite and the flag
@@ -286,6 +303,20 @@ class Cover:
         """The total 2-norm of the gradients (0-dim float32)."""
         norms = [epi.figures(b)[0] for epi, buckets in self.parts for b in buckets]
         return torch.linalg.vector_norm(torch.stack(norms))
+
+    def norm_of(self, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """The total 2-norm of ``params``' gradients formed as torch's ``clip_grad_norm_``
+        forms it (one norm per gradient, stacked in ``params``' order, then the norm of
+        those), so the clip coefficient is torch's to the bit; None if a bucket has no
+        per-gradient norms to give (sparse)."""
+        found: dict = {}
+        for epi, buckets in self.parts:
+            for b in buckets:
+                norms = epi.param_norms(b)
+                if norms is None:
+                    return None
+                found.update(norms)
+        return torch.linalg.vector_norm(torch.stack([found[id(q)] for q in params]))
 
     def found_inf(self) -> torch.Tensor:
         """1.0/0.0 (0-dim float32): whether a gradient is inf/NaN."""

@@ -75,11 +75,14 @@ def clip_grad_norm_(parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor
     # the dense gradients' norm from the reducers' epilogue when it describes them exactly
     # (norm 2, whole buckets, unchanged since backward): no pass over them
     fast = cover(dense) if p_norm == 2.0 and dense else None
-    partials = [fast.norm().square() if fast is not None
-                else _partial(dense, p_norm, foreach, device)]
-    partials += [_group_partial(_partial(qs, p_norm, foreach, device), g)
-                 for g, qs in groups.values()]
-    total = _combine(partials, p_norm)
+    # no expert-parallel parameter: the total as torch forms it, to the bit
+    total = fast.norm_of(dense) if fast is not None and not groups else None
+    if total is None:
+        partials = [fast.norm().square() if fast is not None
+                    else _partial(dense, p_norm, foreach, device)]
+        partials += [_group_partial(_partial(qs, p_norm, foreach, device), g)
+                     for g, qs in groups.values()]
+        total = _combine(partials, p_norm)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}) "
