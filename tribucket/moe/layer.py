@@ -13,8 +13,7 @@ import copy
 import datetime
 import itertools
 import math
-import zlib
-from dataclasses import dataclass, is_dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -24,6 +23,8 @@ from torch import nn
 from .._tags import mark_expert_parallel
 from ..comm import group_rank_and_size
 from ..kernels.moe import moe_counts, permute_tokens, unpermute_tokens
+from ._checks import (broadcast_from_first_rank, check_ranks_agree, check_replica_group,
+                      check_replicas_agree, crc, expert_signature)
 from ._guard import MoEGuard, _is_comm_failure
 from .dispatcher import DispatchMeta, MoEDispatcher, _route, expert_capacity
 from .experts import GroupedExperts
@@ -202,7 +203,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"bias_update_rate must be None (no routing bias) or a positive "
                              f"number (DeepSeek-V3 uses 1e-3), got {bias_update_rate!r}")
         rank, world = group_rank_and_size(group)
-        _check_replica_group(group, replica_group, world)
+        check_replica_group(group, replica_group, world)
         if expert_grad_scale is None:  # the mean over the group's ranks (see the docstring)
             expert_grad_scale = 1.0 / world
         self.dispatcher = MoEDispatcher(num_experts, group=group, capacity_factor=capacity_factor,
@@ -226,13 +227,13 @@ class MoELayer(nn.Module):
                 f"GroupedExperts run with schedule='alltoall' and no shadow_policy (got "
                 f"schedule={schedule!r}, shadow_policy={shadow_policy!r}); for the pipelined "
                 f"schedule or shadowing pass a list of modules: experts.to_experts()")
-        signature = _expert_signature(experts[0])
+        signature = expert_signature(experts[0])
         if policy is not None:
             for l, e in enumerate(experts):
-                if _expert_signature(e) != signature:
+                if expert_signature(e) != signature:
                     raise ValueError(
                         f"shadow_policy needs identical experts: local expert {l} has parameters "
-                        f"{_expert_signature(e)} but local expert 0 has {signature}")
+                        f"{expert_signature(e)} but local expert 0 has {signature}")
             if len({str(d) for _, _, d in signature}) > 1:
                 raise ValueError(f"shadow_policy needs expert parameters of one dtype, got "
                                  f"{sorted({d for _, _, d in signature})}")
@@ -308,16 +309,16 @@ class MoELayer(nn.Module):
             if self.expert_grad_scale != 1.0:
                 p.register_hook(lambda g, s=self.expert_grad_scale: g * s)
         self.register_load_state_dict_pre_hook(_drop_other_ranks_experts)
-        _check_ranks_agree(self, signature, group)  # first: the broadcast needs equal shapes
+        check_ranks_agree(self, signature, group)  # first: the broadcast needs equal shapes
         # the group the layer's collectives run on (timed when timeout is given), its
         # progress marks and failure reports
         self._guard = MoEGuard(group, rank, world, timeout, name)
         self.dispatcher.group = group = self._guard.group
-        _broadcast_from_first_rank(self.router, group)
+        broadcast_from_first_rank(self.router, group)
         for module in (self.shared_experts, self.shared_gate):
             if module is not None:
-                _broadcast_from_first_rank(module, group)
-        _check_replicas_agree(self, replica_group)
+                broadcast_from_first_rank(module, group)
+        check_replicas_agree(self, replica_group)
         #: the group across which this rank's experts are replicated (None: no replicas)
         self.replica_group = replica_group
 
@@ -493,7 +494,7 @@ class MoELayer(nn.Module):
         group = self._guard.group
         device = next(itertools.chain(self.router.parameters(), self.experts.parameters())).device
         states = [e.state_dict() for e in local]
-        sig = [_crc([(k, tuple(t.shape), str(t.dtype)) for k, t in st.items()]) for st in states]
+        sig = [crc([(k, tuple(t.shape), str(t.dtype)) for k, t in st.items()]) for st in states]
         mine = torch.tensor(sig, dtype=torch.int64, device=device)
         every = [torch.empty_like(mine) for _ in range(W)]
         dist.all_gather(every, mine, group=group)
@@ -593,118 +594,6 @@ class MoELayer(nn.Module):
             z = torch.logsumexp(logits_TE, dim=-1).square().mean()
             loss = loss + self.z_loss_coef * z
         return loss
-
-
-def _broadcast_from_first_rank(module: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Overwrite ``module``'s parameters and buffers with the group's rank 0 values."""
-    _, world = group_rank_and_size(group)
-    if world == 1:
-        return
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    with torch.no_grad():
-        for t in itertools.chain(module.parameters(), module.buffers()):
-            dist.broadcast(t.data, src=src, group=group)
-
-
-def _expert_signature(expert: nn.Module) -> tuple[tuple[str, tuple[int, ...], str], ...]:
-    return tuple((n, tuple(q.shape), str(q.dtype)) for n, q in expert.named_parameters())
-
-
-def _crc(obj) -> int:
-    return zlib.crc32(repr(obj).encode())
-
-
-def _check_ranks_agree(layer: MoELayer, signature, group: dist.ProcessGroup | None) -> None:
-    """One all-gather: every rank built the layer alike (and, to shadow, with alike experts).
-
-    A rank with another schedule, group size, shadow policy, top_k, capacity or d_model would
-    issue different collectives in forward (or abort the router broadcast, which comes after
-    this check) and hang the group; this catches it when the layer is built, naming the
-    field and the ranks. Integer fields travel as themselves, the others as CRCs.
-    """
-    _, world = group_rank_and_size(group)
-    if world == 1:
-        return
-    policy = layer.shadow_policy
-    policy_key = repr(policy) if policy is None or is_dataclass(policy) else type(policy).__qualname__
-    fields = [("d_model", layer.d_model), ("num_experts", layer.num_experts),
-              ("top_k", layer.top_k), ("group_size", layer.group_size),
-              ("normalize_weights", int(layer.normalize_weights)),
-              ("schedule", _crc(layer.schedule)), ("shadow_policy", _crc(policy_key)),
-              ("capacity_factor", _crc(layer.dispatcher.capacity_factor)),
-              ("timeout", _crc(layer.timeout)),
-              ("score_func", _crc(layer.score_func)),
-              ("bias_update_rate", _crc(layer.bias_update_rate)),
-              ("experts kind", _crc(type(layer.experts).__name__)),
-              ("shared experts (names, shapes, dtypes) and gate",
-               _crc((_expert_signature(layer.shared_experts) if layer.shared_experts is not None
-                     else None, layer.shared_gate is not None))),
-              ("router parameters (names, shapes, dtypes)", _crc(_expert_signature(layer.router))),
-              ("expert parameters (names, shapes, dtypes), needed to shadow",
-               _crc(signature) if policy is not None else 0)]
-    numeric = 5  # the first five fields are integers worth printing
-    device = next(itertools.chain(layer.router.parameters(), layer.experts.parameters())).device
-    mine = torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    rows = [t.tolist() for t in every]
-    problems = []
-    for column, (name, _) in enumerate(fields):
-        values = [r[column] for r in rows]
-        if len(set(values)) == 1:
-            continue
-        if column < numeric:
-            problems.append(f"{name}: " + ", ".join(f"{v} on rank {r}" for r, v in enumerate(values)))
-        else:
-            problems.append(f"{name} on rank(s) {[r for r, v in enumerate(values) if v != values[0]]}"
-                            " differ from rank 0's")
-    if problems:
-        raise ValueError(f"the ranks of the expert-parallel group built MoELayer with different "
-                         f"arguments ({'; '.join(problems)}); pass the same arguments on every "
-                         "rank")
-
-
-def _check_replica_group(group, replica_group, ep_world: int) -> None:
-    """Local checks of ``replica_group`` against the EP group (no communication)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if replica_group is not None:
-            raise RuntimeError("replica_group was given but torch.distributed is not initialised")
-        return
-    world = dist.get_world_size()
-    if replica_group is None:
-        if ep_world < world:
-            raise ValueError(
-                f"group has {ep_world} of the {world} ranks, so every expert has replicas on "
-                f"other ranks that nothing would average: pass replica_group= too (both come "
-                f"from tribucket.moe.expert_data_parallel_groups(ep_size={ep_world}))")
-        return
-    me = dist.get_rank()
-    replicas = dist.get_process_group_ranks(replica_group)
-    ep = dist.get_process_group_ranks(group) if group is not None else list(range(world))
-    if me not in replicas or set(replicas) & set(ep) != {me}:
-        raise ValueError(
-            f"replica_group {replicas} must hold this rank ({me}) and no other rank of its "
-            f"expert-parallel group {ep}; build both with "
-            "tribucket.moe.expert_data_parallel_groups(ep_size)")
-
-
-def _check_replicas_agree(layer: MoELayer, replica_group) -> None:
-    """One all-gather over the replica group: its ranks hold the same global experts."""
-    if replica_group is None or dist.get_world_size(replica_group) == 1:
-        return
-    device = next(itertools.chain(layer.router.parameters(), layer.experts.parameters())).device
-    mine = torch.tensor([layer.expert_offset, layer.num_experts], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(replica_group))]
-    dist.all_gather(every, mine, group=replica_group)
-    rows = [tuple(t.tolist()) for t in every]
-    if len(set(rows)) > 1:
-        ranks = dist.get_process_group_ranks(replica_group)
-        raise ValueError(
-            "the ranks of replica_group do not hold the same experts: "
-            + ", ".join(f"rank {g} has experts {o}..{o + layer.num_local_experts - 1} of {n}"
-                        for g, (o, n) in zip(ranks, rows))
-            + "; a rank's replica group must be the ranks at its position in the other "
-            "expert-parallel groups (tribucket.moe.expert_data_parallel_groups)")
 
 
 def _drop_other_ranks_experts(module: MoELayer, state_dict, prefix, *_unused) -> None:
