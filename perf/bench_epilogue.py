@@ -20,6 +20,8 @@ runs forward, backward, ``clip_grad_norm_(max_norm=1.0)`` and an AdamW step:
 * ``DDP + GradScaler``        the same with ``torch.amp.GradScaler``: scale, unscale_, clip, step
 * ``tribucket + GradScaler``  ``tribucket.amp.GradScaler`` (the reducer's inf flag) and
   ``tribucket.clip_grad_norm_``
+* ``tribucket + GradScaler, reuse``  the same with ``reuse_grad_figures=True``: the clip takes
+  the norm from unscale_'s read
 
 The scaler variants scale the loss but compute in float32: fp16 autocast on this CPU takes
 seconds per step, and what differs between the two scalers (the inf scan, the unscale and
@@ -58,12 +60,13 @@ NAME = "epilogue"
 BOUND = "bound: 1 allreduce + 1 read"
 VARIANTS = ["DDP + torch clip", "tribucket + torch clip", "tribucket + fused clip", BOUND,
             "DDP + torch clip, clipping", "tribucket + fused clip, clipping", "DDP + GradScaler",
-            "tribucket + GradScaler"]
+            "tribucket + GradScaler", "tribucket + GradScaler, reuse"]
 BASELINE = {"tribucket + torch clip": "DDP + torch clip",
             "tribucket + fused clip": "DDP + torch clip",
             "tribucket + fused clip, clipping": "DDP + torch clip, clipping",
             BOUND: "DDP + torch clip",
-            "tribucket + GradScaler": "DDP + GradScaler"}
+            "tribucket + GradScaler": "DDP + GradScaler",
+            "tribucket + GradScaler, reuse": "DDP + GradScaler"}
 MAX_NORM = 1.0
 MAX_NORM_CLIPPING = 1e-3  # below every gradient norm of these models: always clips
 #: issue 16's target: backward + clip + AdamW, tribucket's over DDP + torch's clip, on the MLP
@@ -78,14 +81,15 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
     steps = {}
     for name in VARIANTS:
         model, x = make_model(model_name)
-        reducer = tribucket.Reducer(model) if name.startswith("tribucket") else None
+        reducer = (tribucket.Reducer(model, reuse_grad_figures=name.endswith("reuse"))
+                   if name.startswith("tribucket") else None)
         forward = (model if reducer is not None or name == BOUND
                    else nn.parallel.DistributedDataParallel(model))
         scaler = None
-        if name.endswith("GradScaler"):
+        if "GradScaler" in name:
             cls = tribucket.amp.GradScaler if reducer is not None else torch.amp.GradScaler
             scaler = cls("cpu", init_scale=2.0**10)
-        fused = reducer is not None and ("fused clip" in name or name.endswith("GradScaler"))
+        fused = reducer is not None and ("fused clip" in name or "GradScaler" in name)
         clip = tribucket.clip_grad_norm_ if fused else torch.nn.utils.clip_grad_norm_
         max_norm = MAX_NORM_CLIPPING if name.endswith("clipping") else MAX_NORM
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -404,3 +404,100 @@ def test_clip_norm_of_large_buckets_is_as_accurate_as_torch(dist_run):
     for steps in dist_run(_clip_norm_of_large_buckets, world_size=2):
         for mine, theirs in steps:
             assert mine <= 2 * theirs + 1e-6, steps
+
+
+# ---------------------------------------------------------------- untracked edits
+def _edit_untracked(params, how):
+    """Change gradients through ``.data`` (a view whose writes autograd's version counter
+    does not see), as older training code does: scaled, clamped, one layer zeroed."""
+    if how == "scale":
+        for q in params:
+            q.grad.data.mul_(0.5)
+    elif how == "clamp":
+        for q in params:
+            q.grad.data.clamp_(-1e-3, 1e-3)
+    elif how == "zero layer":
+        params[0].grad.data.zero_()
+    elif how == "inf":
+        params[0].grad.data.view(-1)[0] = float("inf")
+
+
+def _figures_after_untracked_edit(gbv):
+    """For each (consumer asked first, edit through .data): the reducer's norm, its flag and
+    tribucket's clip against torch's on the same gradients."""
+    from models import batch, loss_of
+    rank = dist.get_rank()
+    ours, ref, ddp, reducer = _twins("mlp", bucket_cap_mb=0.001, gradient_as_bucket_view=gbv)
+    out = []
+    step = 0
+    for first in ("grad_norm", "found_inf", "unscale_", "clip"):
+        for how in ("scale", "clamp", "zero layer", "inf"):
+            s_ours = tribucket.amp.GradScaler("cpu", init_scale=4.0)
+            s_ref = torch.amp.GradScaler("cpu", init_scale=4.0)
+            o_ours = torch.optim.SGD(ours.parameters(), lr=0.0)
+            o_ref = torch.optim.SGD(ref.parameters(), lr=0.0)
+            x = batch("mlp", rank, step)
+            step += 1
+            for m in (ours, ref):
+                m.zero_grad()
+            s_ours.scale(loss_of(ours(x))).backward()
+            s_ref.scale(loss_of(ddp(x))).backward()
+            mine, theirs = list(ours.parameters()), list(ref.parameters())
+            if first == "grad_norm":
+                reducer.grad_norm()
+            elif first == "found_inf":
+                reducer.found_inf
+            elif first == "unscale_":
+                s_ours.unscale_(o_ours)
+                s_ref.unscale_(o_ref)
+            elif first == "clip":
+                tribucket.clip_grad_norm_(mine, max_norm=1e6)  # asks, does not clip
+                torch.nn.utils.clip_grad_norm_(theirs, max_norm=1e6)
+            _edit_untracked(mine, how)
+            _edit_untracked(theirs, how)
+            want_norm = torch.nn.utils.get_total_norm([q.grad for q in theirs])
+            row = dict(first=first, how=how, norm=reducer.grad_norm().item(),
+                       want_norm=want_norm.item(), flag=reducer.found_inf.item(),
+                       want_flag=float(not torch.isfinite(want_norm)))
+            if how != "inf":
+                got = tribucket.clip_grad_norm_(mine, max_norm=want_norm.item() / 4)
+                want = torch.nn.utils.clip_grad_norm_(theirs, max_norm=want_norm.item() / 4)
+                row.update(clip=got.item(), want_clip=want.item(), grads_equal=all(
+                    torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-8)
+                    for a, b in zip(mine, theirs)))
+            out.append(row)
+    reducer.close()
+    return out
+
+
+@pytest.mark.parametrize("gbv", [False, True], ids=["copy", "bucket_view"])
+def test_figures_see_gradients_edited_through_data(dist_run, gbv):
+    """``p.grad.data`` writes bypass autograd's version counter: figures taken before such an
+    edit (by grad_norm, found_inf, unscale_ or an earlier clip) must not be reused after it."""
+    for rows in dist_run(_figures_after_untracked_edit, gbv, world_size=2):
+        bad = [r for r in rows
+               if r["norm"] != pytest.approx(r["want_norm"], rel=1e-5)
+               or r["flag"] != r["want_flag"]
+               or ("clip" in r and (r["clip"] != pytest.approx(r["want_clip"], rel=1e-5)
+                                    or not r["grads_equal"]))]
+        assert not bad, f"{len(bad)} of {len(rows)} cases stale: {bad}"
+
+
+def _reads_of_a_second_call(reuse):
+    from models import batch, loss_of
+    ours, ref, ddp, reducer = _twins("mlp", bucket_cap_mb=0.001, reuse_grad_figures=reuse)
+    loss_of(ours(batch("mlp", dist.get_rank(), 0))).backward()
+    first = reducer.grad_norm().item()
+    with _Counter(torch.linalg, "vector_norm") as vn, _Counter(torch, "_foreach_norm") as fn:
+        second = reducer.grad_norm().item()
+    reducer.close()
+    return first, second, vn.calls + fn.calls - 1  # the total's own vector_norm
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_reuse_grad_figures_saves_the_second_read(dist_run, reuse):
+    """Opted in, a second user of the figures in an iteration reads no gradient; by default
+    every call reads them (and so sees edits autograd does not track)."""
+    for first, second, reads in dist_run(_reads_of_a_second_call, reuse, world_size=2):
+        assert first == second
+        assert (reads == 0) == reuse, reads

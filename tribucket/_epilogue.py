@@ -20,12 +20,20 @@ Passes over gradient memory, per bucket and backward:
 result), so every rank computes the same flag. A hook whose ranks end with different values
 (``gossip_hook``) gives a per-rank flag, as ``GradScaler`` under DDP would.
 
-Freshness: the statistics describe the gradients as the reducer finished them. Each bucket
-remembers which tensor each ``.grad`` was (a weak reference: holding the gradient would keep
-the bucket's buffer from being reused) and its version counter (bumped by every in-place
-write, through any view). ``clip_grad_norm_`` and ``GradScaler`` use the statistics only
-while every gradient is the same tensor with the same version; ``scale_`` multiplies the
-gradients and keeps them fresh (the norm scales with the factor, the flag stays).
+Freshness: each bucket remembers which tensor each ``.grad`` was when the reducer finished
+it (a weak reference: holding the gradient would keep the bucket's buffer from being reused)
+and its version counter (bumped by every in-place write through the tensor or a view of it).
+The flat-bucket fast paths of ``clip_grad_norm_`` and ``GradScaler`` run only while every
+gradient is the same tensor with the same version; ``scale_`` multiplies the gradients and
+keeps them fresh (the norm scales with the factor, the flag stays).
+
+The version counter does not see every write: ``p.grad.data`` is an alias with a counter of
+its own (so ``p.grad.data.mul_(0.5)`` leaves ``p.grad._version`` as it was), and neither do
+numpy views. So by default the *figures* live for one call only: each user call (``grad_norm``,
+``found_inf``, ``unscale_``, ``clip_grad_norm_``) reads the gradients once, as torch's clip
+and GradScaler each do, and shares that read between the norm, the flag and the multiply.
+``reuse_grad_figures=True`` keeps them across calls and takes the unpack kernel's (a read
+saved per later user; sound only where gradients are never written through such aliases).
 """
 
 from __future__ import annotations
@@ -134,10 +142,12 @@ class Epilogue:
     gradient fall back to torch).
     """
 
-    def __init__(self, params: list[list[torch.Tensor]], mems: list, device: torch.device):
+    def __init__(self, params: list[list[torch.Tensor]], mems: list, device: torch.device,
+                 reuse: bool = False):
         self.params = params
         self.mems = mems
         self.device = device
+        self.reuse = reuse  # figures kept across calls (see the module docstring)
         self.bucket_of = {id(q): b for b, ps in enumerate(params) for q in ps}
         self.records: list[_Record | None] = [None] * len(params)
         _LIVE.add(self)
@@ -145,6 +155,15 @@ class Epilogue:
     def close(self) -> None:
         _LIVE.discard(self)
         self.records = [None] * len(self.params)
+
+    def begin_call(self) -> None:
+        """A user call starts: unless figures are reused across calls, forget those an
+        earlier call computed (the gradients may have been written through ``.data``)."""
+        if self.reuse:
+            return
+        for rec in self.records:
+            if rec is not None:
+                rec.norm = rec.flag = rec.pnorms = None
 
     # -- written by the reducer ---------------------------------------------------------
     def reset(self) -> None:
@@ -155,7 +174,7 @@ class Epilogue:
         """A zeroed ``[sum of squares, flag]`` for the unpack kernel of bucket ``b`` to fill,
         or None where the unpack does not compute them (torch path: computed on demand)."""
         mem = self.mems[b]
-        if mem is None or not getattr(mem.plan, "_use_triton", False):
+        if not self.reuse or mem is None or not getattr(mem.plan, "_use_triton", False):
             return None
         return torch.zeros(2, dtype=torch.float32, device=self.device)
 
@@ -229,6 +248,7 @@ class Epilogue:
 
     def found_inf(self, out: torch.Tensor) -> torch.Tensor:
         """Fill ``out`` (1 element) with 1.0 when a gradient of the reducer is inf/NaN."""
+        self.begin_call()
         flags = [self.figures(b)[1] for b in range(len(self.params))]
         if not flags:
             return out.zero_()
@@ -236,6 +256,7 @@ class Epilogue:
 
     def grad_norm(self) -> torch.Tensor:
         """Total 2-norm of the reducer's gradients (0-dim float32)."""
+        self.begin_call()
         norms = [self.figures(b)[0] for b in range(len(self.params))]
         if not norms:
             return torch.zeros((), device=self.device)
@@ -362,4 +383,6 @@ def cover(params: Iterable[torch.Tensor]) -> Cover | None:
             return None
         parts.append((epi, buckets))
         rest -= mine
+    for epi, _ in parts:
+        epi.begin_call()
     return Cover(parts) if not rest else None  # the rest: expert-parallel, ignored, ...

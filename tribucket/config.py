@@ -97,6 +97,14 @@ class ReducerConfig:
     #: Python hooks with a warning; ``True``: an error if it does not build; ``False``: the
     #: Python hooks. Same results either way. Also set by ``TRIBUCKET_NATIVE_HOOKS=1``/``0``
     native_hooks: bool | None = field(default_factory=lambda: _env_flag("TRIBUCKET_NATIVE_HOOKS"))
+    #: reuse the gradients' norm and inf/NaN flag across calls (``grad_norm()``,
+    #: ``found_inf``, ``GradScaler.unscale_``, ``clip_grad_norm_``) and take them from the
+    #: unpack kernel where it computes them (CUDA): no read of the gradients for the second
+    #: and later users in an iteration. Only sound if gradients are never written in a way
+    #: autograd's version counter misses (``p.grad.data.mul_()``, numpy views, ctypes):
+    #: ``False`` (default) reads the gradients once per call, as torch's clip and
+    #: GradScaler do, and sees every edit
+    reuse_grad_figures: bool = False
 
     def __post_init__(self) -> None:
         _positive_mb("bucket_cap_mb", self.bucket_cap_mb)
@@ -104,7 +112,7 @@ class ReducerConfig:
         if self.comm_chunk_mb is not None and self.comm_chunk_mb != 0:
             _positive_mb("comm_chunk_mb", self.comm_chunk_mb)
         for name in ("gradient_as_bucket_view", "find_unused_parameters", "static_graph",
-                     "debug", "shard_optimizer"):
+                     "debug", "shard_optimizer", "reuse_grad_figures"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (isinstance(self.broadcast_buffers, bool) or self.broadcast_buffers == "ddp"):

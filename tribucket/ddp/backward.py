@@ -243,7 +243,8 @@ class Backward:
         if self.epilogue is not None:
             self.epilogue.close()
         self.epilogue = Epilogue([b.params for b in self.buckets],
-                                 [b.mem for b in self.buckets], self.device)
+                                 [b.mem for b in self.buckets], self.device,
+                                 reuse=self.config.reuse_grad_figures)
         self.allocated = True
         self.stats.buckets = len(specs)
         # the buffers one iteration needs (one per bucket, in its wire dtype); a gradient
