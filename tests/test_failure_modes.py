@@ -503,3 +503,36 @@ def test_steps_after_a_step_mismatch_are_clean(dist_run):
         assert steps[1][0] == "error" and "same training step" in steps[1][1], steps[1]
     _assert_never_mixed([[r[0], *r[2:]] for r in results], 3)
     assert all(r[s][0] == "ok" for r in results for s in (0, 2, 3)), results
+
+
+def _extra_pass_on_one_rank(debug):
+    """Rank 1 runs one extra forward and backward (no optimizer step) before its step 1: its
+    forward count stays equal to its peers' (one forward per backward), so only the optimizer
+    steps taken since tell the passes apart."""
+    rank = dist.get_rank()
+    model = build("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = []
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT, debug=debug):
+        for step in range(3):
+            def one():
+                model.zero_grad()
+                if rank == 1 and step == 1:
+                    loss_of(model(batch("mlp", rank, 9))).backward()  # the extra pass
+                    model.zero_grad()
+                loss_of(model(batch("mlp", rank, step))).backward()
+                opt.step()
+            log.append(_outcome(one))
+    return log
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_an_extra_pass_on_one_rank_is_named_at_the_next_backward(dist_run, debug):
+    r0, r1 = dist_run(_extra_pass_on_one_rank, debug, world_size=2, timeout=60)
+    # rank 1's extra pass pairs with rank 0's step 1 (nothing can tell them apart yet); its
+    # step 1 pairs with rank 0's step 2: one optimizer step apart, named on both ranks
+    assert r0[0][0] == r1[0][0] == "ok", (r0, r1)
+    assert r1[1][0] == "error" and r0[2][0] == "error", (r0, r1)
+    for msg in (r1[1][1], r0[2][1]):
+        assert "optimizer step" in msg and "rank 0" in msg and "rank 1" in msg, msg
+        assert "timed out" not in msg, msg

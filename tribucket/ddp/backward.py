@@ -80,6 +80,9 @@ class Backward:
         self.nosync_used = bytearray(len(params)) if config.dynamic_unused else None
         self.rebuilt = False
         self.forwards = 0                      # training forwards with grad (the step)
+        self.opt_steps = 0                     # optimizer steps over these parameters
+        self.opt_base = 0                      # ... counted from here (reset with forwards)
+        self.param_ids = frozenset(map(id, params))
         self.agree_pending = self.world_size > 1  # compare hook and state at 1st backward
         self.passes = 0                        # backward passes begun (synced or not): the
         # iteration number that fingerprints and failure reports use, equal on every rank
@@ -122,6 +125,7 @@ class Backward:
         self.passes += 1
         p = self.pass_ = Pass(sync, len(self.params), self.passes)
         p.step = self.guard.step = self.forwards
+        p.opt_step = self.opt_steps - self.opt_base
         return p
 
     def on_grad_ready(self, index: int) -> None:
@@ -372,14 +376,14 @@ class Backward:
         problems = 0 if p.shadow else self._missing(p) + len(p.errors)
         p.status_errors = len(p.errors)
         return self.status.write_tail(
-            buf, self.status.tensor(problems, self._local_used(p), self.status.step_mark(p)))
+            buf, self.status.tensor(problems, self._local_used(p), *self.status.marks(p)))
 
     def _exchange_status(self, p: Pass, problems: int,
                          used: list | None) -> tuple[list, torch.Tensor, float]:
         last = self.buckets[-1].mem if self.piggyback else None
         return self.status.exchange(
             self.buckets, None if last is None else last.active,
-            lambda: self.status.tensor(problems, used, self.status.step_mark(p)),
+            lambda: self.status.tensor(problems, used, *self.status.marks(p)),
             self.comm.traits.serialize, p.iteration)
 
     def rebuild(self, order: list[int]) -> None:
@@ -460,6 +464,7 @@ class Backward:
             self.status.check_steps(status)
         except RuntimeError:
             self.forwards = 0
+            self.opt_base = self.opt_steps
             raise
 
     def settle_unbegun(self) -> None:

@@ -86,5 +86,6 @@ class ReducerJoinHook(JoinHook):
         # as DDP: the model of the last rank to join (ties: the highest rank) wins
         r = self.reducer
         r._bw.forwards = 0  # joined ranks ran fewer steps: count steps afresh from here
+        r._bw.opt_base = r._bw.opt_steps
         src = r._join_flags.common_rank(is_last_joiner, r._bw.passes)
         r._broadcast_states(src_rank=src, buffers=r.config.broadcast_buffers)

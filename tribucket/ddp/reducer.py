@@ -25,7 +25,7 @@ from ..comm import broadcast_coalesced
 from ..config import ReducerConfig
 from ..hooks import _hook_traits
 from ..layout import BucketLayout
-from . import native, resume
+from . import native, optsteps, resume
 from .backward import Backward
 from .bucket import Comm
 from .claims import claim, release
@@ -111,6 +111,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         # the backward passes: buckets, their order, the end of backward
         self._bw = Backward(config, self._params, self._names, view.expect_sparse,
                             self._guard, self._comm, self._join_flags, self._device)
+        optsteps.watch(self._bw)  # optimizer steps: the step mark's second half
         self._found_inf = torch.zeros(1, dtype=torch.float32, device=self._device)
         self._initial_sizes = bucket_sizes(self._bw.layout)  # logging_data()'s bucket_sizes
         #: figures of the last backward (:class:`ReducerStats`)
@@ -406,6 +407,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         if self._bw.closed:
             return
         self._bw.closed = True
+        optsteps.unwatch(self._bw)
         release(self, self._params)
         lent, self._lent_to = self._lent_to, None
         if lent is not None and not self._guard.failed:

@@ -48,7 +48,7 @@ class Pass:
 
     __slots__ = ("sync", "ready", "fired", "next_bucket", "t_start", "callback_queued",
                  "any_ready", "bytes", "errors", "scale", "shadow", "status_errors",
-                 "record_order", "iteration", "plain", "step", "create_graph")
+                 "record_order", "iteration", "plain", "step", "opt_step", "create_graph")
 
     def __init__(self, sync: bool, n_params: int, iteration: int):
         self.sync = sync                       # False: no_sync, gradients stay local
@@ -66,6 +66,8 @@ class Pass:
         self.status_errors = 0                 # errors already reported in the status
         self.record_order = False              # append ready parameters to the rebuild order
         self.step = 0                          # training forwards run before this backward
+        self.opt_step = 0                      # optimizer steps taken before it (counted
+        # from the reducer's last step agreement)
         self.create_graph = False              # backward(create_graph=True): packs no_grad
         self.plain = False                     # a gradient needs only to be counted in:
         # synced, first gradient seen, no hook counts, no used map, no order to record

@@ -5,10 +5,12 @@ collective. (Whether a gradient is inf/NaN needs no agreement: every rank reads 
 same reduced values, see ``tribucket/_epilogue.py``.)
 
 Layout of the status vector:
-``[problems per rank (world) | step mark per rank (world) | used map]``.
+``[problems per rank (world) | step mark per rank (world) | optimizer mark per rank (world)
+| used map]``.
 Each rank writes only its own slots, so the sum is exact even in a bf16 wire buffer (every
 integer up to 256 is a bf16 value): the step mark is ``1 + forwards mod 255`` (the training
-step, see :meth:`Status.check_steps`), 0 for "not checked" (a Join shadow pass).
+step), the optimizer mark ``1 + optimizer steps mod 255`` (see :meth:`Status.check_steps`),
+both 0 for "not checked" (a Join shadow pass).
 """
 
 from __future__ import annotations
@@ -33,22 +35,26 @@ class Status:
         self.device = device
         # room for the used map (find_unused_parameters or static_graph): the length is
         # fixed, so the tail of the last bucket can hold it
-        self.length = 2 * world_size + (n_params if with_used_map else 0)
+        self.length = 3 * world_size + (n_params if with_used_map else 0)
 
     @staticmethod
-    def step_mark(p) -> int:
-        """What this rank writes in its step slot for pass ``p``."""
-        return 0 if p.shadow else 1 + p.step % 255
+    def marks(p) -> tuple[int, int]:
+        """What this rank writes in its step and optimizer slots for pass ``p``."""
+        if p.shadow:
+            return 0, 0
+        return 1 + p.step % 255, 1 + p.opt_step % 255
 
-    def tensor(self, problems: int, used: list | None, step_mark: int = 0) -> torch.Tensor:
+    def tensor(self, problems: int, used: list | None, step_mark: int = 0,
+               opt_mark: int = 0) -> torch.Tensor:
         """This rank's status; ``used`` (0/1 per parameter) or None when not needed."""
         ws = self.world_size
-        status = torch.zeros(2 * ws + (len(used) if used is not None else 0),
+        status = torch.zeros(3 * ws + (len(used) if used is not None else 0),
                              dtype=torch.float32)
         status[self.rank] = problems
         status[ws + self.rank] = step_mark
+        status[2 * ws + self.rank] = opt_mark
         if used is not None:
-            status[2 * ws:] = torch.tensor(used, dtype=status.dtype)
+            status[3 * ws:] = torch.tensor(used, dtype=status.dtype)
         return status.to(self.device)
 
     def write_tail(self, buf: torch.Tensor, status: torch.Tensor) -> int:
@@ -101,7 +107,7 @@ class Status:
         return status[: self.world_size].tolist()
 
     def used(self, status: torch.Tensor) -> list[bool]:
-        return (status[2 * self.world_size:] > 0).tolist()
+        return (status[3 * self.world_size:] > 0).tolist()
 
     def check_steps(self, status: torch.Tensor) -> None:
         """Raise on every rank if the ranks are not in the backward of the same training step.
@@ -111,8 +117,23 @@ class Status:
         backward, pairs its collectives with another step of its peers."""
         ws = self.world_size
         marks = [int(m) for m in status[ws: 2 * ws].tolist()]
+        opt_marks = [int(m) for m in status[2 * ws: 3 * ws].tolist()]
         if len({m for m in marks if m > 0}) <= 1:
-            return
+            if len({m for m in opt_marks if m > 0}) <= 1:
+                return
+            seen = ", ".join(f"rank {r}: after optimizer step {m - 1}"
+                             for r, m in enumerate(opt_marks) if m > 0)
+            raise RuntimeError(
+                f"tribucket (rank {self.rank}): the ranks are not in the backward of the same "
+                f"training step ({seen}; counted modulo 255 since the reducer was attached or "
+                "last found ranks out of step): a rank ran an extra forward and backward (or "
+                "one fewer) without an optimizer step, or took an optimizer step its peers did "
+                "not, so this backward would average two different steps. This backward's "
+                "gradients were not averaged; the pass that rank ran extra was averaged with "
+                "its peers' previous step. The ranks' training loops are now one iteration "
+                "apart: end the job and resume from a checkpoint, and run the same forwards, "
+                "backwards and optimizer steps on every rank (a forward and backward for "
+                "inspection on one rank only: run it on a copy of the model).")
         seen = ", ".join(f"rank {r}: training forward {m - 1}" for r, m in enumerate(marks)
                          if m > 0)
         raise RuntimeError(
