@@ -435,3 +435,32 @@ def test_add_param_group_and_grad_scaler_are_refused_with_the_reason(dist_run):
     assert len(msgs) == 3, msgs
     assert "add a param group" in msgs[0] and "separate torch optimizer" in msgs[0]
     assert all("ShardedOptimizer" in m and "bf16" in m for m in msgs[1:]), msgs
+
+
+# ---------------------------------------------------------------- reads after an overlapped step
+def _state_dict_right_after_overlapped_step():
+    """``overlap_param_gather=True``: ``step()`` returns with the all-gathers in flight; a
+    ``state_dict()`` taken at once (of the model or of one of its layers) must hold the
+    gathered parameters. Rank 1 steps late, so rank 0's gathers cannot have finished."""
+    import time
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    with tribucket.fused_bucketing(model, shard_optimizer=True, bucket_cap_mb=CAP) as reducer:
+        opt = ShardedOptimizer(reducer, torch.optim.SGD, lr=0.5, overlap_param_gather=True)
+        model(torch.randn(4, 64) + rank).square().mean().backward()
+        if rank == 1:
+            time.sleep(1.0)
+        opt.step()
+        early = {k: v.clone() for k, v in model.state_dict().items()}
+        early_layer = {k: v.clone() for k, v in model[2].state_dict().items()}
+        opt.wait_parameters()
+        final = {k: v.clone() for k, v in model.state_dict().items()}
+    return ([k for k in final if not torch.equal(early[k], final[k])],
+            [k for k in early_layer if not torch.equal(early_layer[k], final["2." + k])])
+
+
+def test_state_dict_right_after_an_overlapped_step_is_current(dist_run):
+    for stale, stale_layer in dist_run(_state_dict_right_after_overlapped_step, world_size=2,
+                                       timeout=60):
+        assert not stale and not stale_layer, (stale, stale_layer)

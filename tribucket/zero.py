@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ._shard import all_gather_single
+from .ddp import optsteps
 
 __all__ = ["ShardedOptimizer", "ELEMENTWISE_OPTIMIZERS", "merge_sharded_state_dicts"]
 
@@ -156,8 +157,10 @@ class ShardedOptimizer:
         assume_elementwise: accept an optimizer class outside ``ELEMENTWISE_OPTIMIZERS``.
         overlap_param_gather: return from ``step()`` with the all-gathers in flight; each
             module waits for the buckets of its own parameters in a forward pre-hook, so the
-            gathers overlap the next forward. A forward that reads parameters of a module it
-            does not call, or any other read of the parameters, must call
+            gathers overlap the next forward, and in a ``state_dict`` pre-hook, so a
+            checkpoint taken right after ``step()`` is current. A forward that reads
+            parameters of a module it does not call, or a read of the parameter tensors
+            themselves (an average of weights over ``model.parameters()``), must call
             :meth:`wait_parameters` first.
         **defaults: the optimizer's options (``lr``, ``weight_decay``...).
 
@@ -227,7 +230,9 @@ class ShardedOptimizer:
         self._hooks = self._wait_hooks(module, averaged) if self._overlap else []
 
     def _wait_hooks(self, module, averaged: list) -> list:
-        """A forward pre-hook on every module holding parameters: wait for their buckets."""
+        """A forward pre-hook and a state_dict pre-hook on every module holding parameters:
+        wait for their buckets (``model.state_dict()`` right after ``step()``, or a layer's,
+        holds the gathered parameters)."""
         bucket_of = {id(averaged[i]): b for b, bucket in enumerate(self.reducer.layout.buckets)
                      for i in bucket.indices}
         handles = []
@@ -237,6 +242,8 @@ class ShardedOptimizer:
             if buckets:
                 handles.append(m.register_forward_pre_hook(
                     lambda _m, _args, bs=tuple(buckets): self._wait(bs)))
+                handles.append(m.register_state_dict_pre_hook(
+                    lambda _m, _prefix, _keep_vars, bs=tuple(buckets): self._wait(bs)))
         return handles
 
     def _wait(self, buckets) -> None:
@@ -349,6 +356,7 @@ class ShardedOptimizer:
             else:
                 seg.tensor.grad = g.narrow(0, seg.start, seg.length)
         self.optim.step()
+        optsteps.stepped(self.reducer._bw)  # (its optimizer holds shards: not matched)
         self._gather_parameters()
         return loss
 
