@@ -155,3 +155,33 @@ def test_peer_failure_names_layer_phase_and_rank(dist_run, mode):
         assert raised_at < results[1][1], (raised_at, results[1])  # while rank 1 slept
     if mode == "evaluate":
         assert "gathered_experts" in message, message
+
+
+# ---------------------------------------------------------------- training inside the gather
+def _step_inside_gathered():
+    """An optimizer step taken inside gathered_experts: each rank's copies of the other
+    ranks' experts are detached, and its own experts would see only its own tokens."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(3)
+    router = nn.Linear(D, 2 * W, bias=False)
+    layer = MoELayer([_ffn(10 * rank + e) for e in range(2)], 2 * W, D, top_k=2,
+                     router=router)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in layer.parameters()]
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(rank))
+    error = None
+    with gathered_experts(layer):
+        try:
+            layer(x).square().sum().backward()
+            opt.step()
+        except RuntimeError as e:
+            error = str(e)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))
+    return error, unchanged
+
+
+@pytest.mark.dist
+def test_backward_inside_gathered_experts_is_refused(dist_run):
+    for error, unchanged in dist_run(_step_inside_gathered, world_size=2, timeout=60):
+        assert error is not None and "gathered_experts" in error and "evaluation" in error, error
+        assert unchanged

@@ -168,7 +168,8 @@ def gathered_experts(model: nn.Module) -> Iterator[nn.Module]:
     Entering is a collective (every rank of each layer's group, the same model): one
     all-gather per expert tensor. Inside, each layer computes every token's experts locally
     (the same routing, capacity and gate weights; the other ranks' experts are detached
-    copies, so this is for evaluation, not training); leaving restores expert parallelism.
+    copies, so this is for evaluation, not training: a backward through a forward run inside
+    raises); leaving restores expert parallelism.
     It needs the memory of every expert on each rank.
 
     Example::
@@ -183,10 +184,45 @@ def gathered_experts(model: nn.Module) -> Iterator[nn.Module]:
     if not layers:
         raise ValueError(f"gathered_experts: {type(model).__name__} has no MoELayer")
     everything = [layer.gather_experts() for layer in layers]
+    handles = []
     try:
         for layer, experts in zip(layers, everything):
             layer._gathered = experts
+            handles.append(layer.register_forward_hook(_refuse_backward_hook))
         yield model
     finally:
+        for h in handles:
+            h.remove()
         for layer in layers:
             layer._gathered = None
+
+
+class _RefuseBackward(torch.autograd.Function):
+    """Identity forward; a backward raises: the layer ran inside ``gathered_experts``."""
+
+    @staticmethod
+    def forward(ctx, y, name):
+        ctx.name = name
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            f"MoE layer {ctx.name!r}: a backward through a forward run inside "
+            "tribucket.moe.gathered_experts(). Inside it each rank holds detached copies of "
+            "the other ranks' experts and its own experts see only its own tokens, so a "
+            "training step there would update the experts differently on every rank. "
+            "gathered_experts is for evaluation: run the forward under torch.no_grad() (or "
+            "leave the context before training).")
+
+
+def _refuse_backward_hook(layer: nn.Module, args, output):
+    """Forward hook inside ``gathered_experts``: outputs that need a gradient get a backward
+    that refuses (a forward with grad enabled is allowed; training through it is not)."""
+    name = getattr(layer, "name", None) or type(layer).__name__
+
+    def wrap(t):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return _RefuseBackward.apply(t, name)
+        return t
+    return torch.utils._pytree.tree_map(wrap, output)
