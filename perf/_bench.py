@@ -62,12 +62,9 @@ def close_worker(reducers) -> None:
     """End of a worker: detach the reducers, then leave the process group together."""
     import torch.distributed as dist
 
-    import gc
-
     for reducer in reducers:
         if reducer is not None:
             reducer.close()
-    gc.collect()  # see docs/reliability.md, "Ending a script"
     dist.barrier()
     dist.destroy_process_group()
 

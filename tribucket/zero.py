@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ._shard import all_gather_single
+from . import _exit
 from .ddp import optsteps
 
 __all__ = ["ShardedOptimizer", "ELEMENTWISE_OPTIMIZERS", "merge_sharded_state_dicts"]
@@ -227,6 +228,7 @@ class ShardedOptimizer:
         self.optim = optimizer_class(inner_groups, **defaults)
         self._gathers: list = [None] * len(self._flat)  # per bucket: all-gather in flight
         self._overlap = bool(overlap_param_gather)
+        _exit.register(self)  # gathers drained, groups dropped before interpreter shutdown
         self._hooks = self._wait_hooks(module, averaged) if self._overlap else []
 
     def _wait_hooks(self, module, averaged: list) -> list:
@@ -251,6 +253,9 @@ class ShardedOptimizer:
             work, self._gathers[b] = self._gathers[b], None
             if work is not None:
                 work.wait()
+
+    def _settle_at_exit(self) -> None:
+        self.wait_parameters()
 
     def wait_parameters(self) -> None:
         """Wait for the parameters' all-gathers (``overlap_param_gather=True``)."""

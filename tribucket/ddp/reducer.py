@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
+from .. import _exit
 from .._env import describe_backend
 from ..comm import broadcast_coalesced
 from ..config import ReducerConfig
@@ -112,6 +113,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         self._bw = Backward(config, self._params, self._names, view.expect_sparse,
                             self._guard, self._comm, self._join_flags, self._device)
         optsteps.watch(self._bw)  # optimizer steps: the step mark's second half
+        _exit.register(self)  # detached, drained and dropped before interpreter shutdown
         self._found_inf = torch.zeros(1, dtype=torch.float32, device=self._device)
         self._initial_sizes = bucket_sizes(self._bw.layout)  # logging_data()'s bucket_sizes
         #: figures of the last backward (:class:`ReducerStats`)
@@ -432,6 +434,11 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         if raise_errors:
             raise RuntimeError(message) from e
         logger.error("%s", message)
+
+    def _settle_at_exit(self) -> None:
+        """Interpreter exit (``tribucket._exit``): detach if still attached; drop the works."""
+        self._close(raise_errors=False)
+        self._release()
 
     def _release(self) -> None:
         """After close: drop what references collectives and their buffers (the finished

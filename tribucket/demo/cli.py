@@ -5,7 +5,6 @@ group, run the demo and print the table on rank 0."""
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 from dataclasses import fields
@@ -186,12 +185,6 @@ def _worker(cfg: DemoConfig) -> int:
         failed = rank == 0 and cfg.compare and result["verdict"] == "bug"
         return 1 if failed else 0
     finally:
-        # Free the models, reducers and MoE layers of both runs now, while the interpreter is
-        # alive: their reference cycles otherwise keep the process group (and a finished
-        # gloo work holding a Python tensor) alive until interpreter shutdown, where a gloo
-        # worker thread that needs the GIL to drop that tensor aborts the process
-        # ("terminate called without an active exception").
-        gc.collect()
         dist.destroy_process_group()
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import _exit
 from .._tags import mark_expert_parallel
 from ..comm import group_rank_and_size
 from ..kernels.moe import moe_counts, permute_tokens, unpermute_tokens
@@ -328,6 +329,7 @@ class MoELayer(nn.Module):
         self.stats: MoEStats | None = None
         #: every expert of the group, inside ``gathered_experts`` (None: expert-parallel)
         self._gathered: list[nn.Module] | None = None
+        _exit.register(self)  # its groups and works dropped before interpreter shutdown
 
     @property
     def local_experts(self) -> list[nn.Module]:
