@@ -478,3 +478,19 @@ def test_expert_reducer_state_mismatch_and_join_raise_clear_errors(dist_run):
         assert out["join"][0] == "ValueError", out["join"]
         assert "Join (uneven inputs) is not supported" in out["join"][1], out["join"]
         assert "same number of batches" in out["join"][1], out["join"]
+
+
+def _mesh_names_swapped_on_one_rank():
+    names = ("ep", "dp") if dist.get_rank() == 3 else ("dp", "ep")
+    return _error_of(lambda: expert_data_parallel_groups_from_mesh(
+        init_device_mesh("cpu", (2, 2), mesh_dim_names=names)))
+
+
+@pytest.mark.dist
+def test_mesh_that_differs_on_one_rank_raises_on_every_rank(dist_run):
+    # before: each rank took its groups by its own names, rank 3's EP group was another
+    # rank's replica group, and the first exchange ended in a gloo abort
+    for rank, out in enumerate(dist_run(_mesh_names_swapped_on_one_rank, world_size=4,
+                                        timeout=60)):
+        assert out[0] == "ValueError", (rank, out)
+        assert "rank 3" in out[1] and "('ep', 'dp')" in out[1], (rank, out)

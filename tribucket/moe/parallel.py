@@ -70,8 +70,10 @@ def expert_data_parallel_groups_from_mesh(mesh, *, dp_dim: str = "dp", ep_dim: s
 
     The experts are spread over the ``ep_dim`` group of this rank; the ranks along
     ``dp_dim`` hold the same experts and average them (``replica_group``, None when that
-    dimension has size 1). No communication: the mesh made the groups. Every rank passes a
-    mesh of the same shape and names, as ``init_device_mesh`` gives.
+    dimension has size 1). The mesh made the groups; one all-gather of a few values checks
+    that every rank passed the same mesh (shape, rank layout, dimension names and
+    ``dp_dim``/``ep_dim``), so a rank that named its dimensions the other way round is
+    named on every rank instead of pairing its exchanges with the wrong ranks.
 
     Example (4 ranks: ``[[0, 1], [2, 3]]``, EP groups ``{0, 1}``, ``{2, 3}``, replica groups
     ``{0, 2}``, ``{1, 3}``, as ``expert_data_parallel_groups(ep_size=2)``)::
@@ -87,6 +89,18 @@ def expert_data_parallel_groups_from_mesh(mesh, *, dp_dim: str = "dp", ep_dim: s
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh (from "
                         f"init_device_mesh), got {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        mine = (tuple(mesh.mesh.shape), mesh.mesh.flatten().tolist(), names, dp_dim, ep_dim)
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        if any(e != every[0] for e in every):
+            seen = "; ".join(f"rank {r}: shape {e[0]}, mesh_dim_names={e[2]}, dp_dim={e[3]!r}, "
+                             f"ep_dim={e[4]!r}" for r, e in enumerate(every) if e != every[0])
+            raise ValueError(
+                "expert_data_parallel_groups_from_mesh: the ranks passed different meshes "
+                f"(rank 0: shape {every[0][0]}, mesh_dim_names={every[0][2]}, "
+                f"dp_dim={every[0][3]!r}, ep_dim={every[0][4]!r}; {seen}). Build the mesh with "
+                "the same init_device_mesh(...) call, names in the same order, on every rank.")
     if mesh.ndim != 2 or sorted(names) != sorted((dp_dim, ep_dim)):
         raise ValueError(
             f"expert_data_parallel_groups_from_mesh needs a 2-D mesh with dimensions named "
