@@ -536,3 +536,28 @@ def test_an_extra_pass_on_one_rank_is_named_at_the_next_backward(dist_run, debug
     for msg in (r1[1][1], r0[2][1]):
         assert "optimizer step" in msg and "rank 0" in msg and "rank 1" in msg, msg
         assert "timed out" not in msg, msg
+
+
+def _late_for_the_first_backward(timeout_s=2.0):
+    """Rank 1 reaches its first backward late (slow start, a long first batch)."""
+    import time
+
+    rank = dist.get_rank()
+    model = build("mlp")
+    try:
+        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
+                                       timeout=datetime.timedelta(seconds=timeout_s)):
+            if rank == 1:
+                time.sleep(timeout_s * 3)
+            loss_of(model(batch("mlp", rank, 0))).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_rank_late_for_the_first_backward_is_named(dist_run):
+    message = dist_run(_late_for_the_first_backward, world_size=2, timeout=60,
+                       teardown=True)[0]
+    assert message is not None and "rank 1" in message, message
+    assert "never started a backward" in message and "late" in message, message
+    assert "timed out" in message.lower() and "reducer state" in message, message

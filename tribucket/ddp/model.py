@@ -136,13 +136,20 @@ def _raise_if_differ(everyone: list, what: str, fix: str, show=repr) -> None:
                 f"rank 0 but {show(everyone[r].get(key))} on rank {r}. {fix}")
 
 
-def verify_state_across_ranks(summary: dict, group, world_size: int, fix: str) -> None:
+def verify_state_across_ranks(summary: dict, group, world_size: int, fix: str,
+                              guard: Any = None, iteration: int = 0) -> None:
     """All-gather ``summary`` (field -> comparable value) and raise on every rank if a rank's
-    differs from rank 0's, naming the field."""
+    differs from rank 0's, naming the field. ``guard`` (a ``CommGuard``): a failed or timed
+    out all-gather is reported as its other collectives are, naming the ranks behind."""
     if world_size == 1:
         return
     everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, summary, group=group)
+    if guard is None:
+        dist.all_gather_object(everyone, summary, group=group)
+    else:
+        guard.call(lambda: dist.all_gather_object(everyone, summary, group=group),
+                   "the first backward's check that every rank holds the same reducer state "
+                   "(one all-gather)", iteration)
     _raise_if_differ(everyone, "the reducer's state and comm hook", fix,
                      show=lambda v: repr(v) if len(repr(v)) < 80 else f"{repr(v)[:60]}...")
 

@@ -158,7 +158,7 @@ def agree_across_ranks(hook: Any, hook_state: Any, traits: Any, layout: BucketLa
     verify_state_across_ranks(
         summary, guard.group, guard.world_size,
         "Register the same comm hook on every rank, and call load_state_dict on every rank "
-        "with the same checkpoint (or on none).")
+        "with the same checkpoint (or on none).", guard=guard, iteration=iterations + 1)
 
 
 def _hook_key(state: Any, rank: int) -> str:

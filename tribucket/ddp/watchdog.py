@@ -180,15 +180,22 @@ class CommGuard:
                         behind.append(f"rank {self._global[r]} ({_describe_progress(seen)})")
             if behind:
                 return (f" This rank is in iteration {iteration}; behind it: "
-                        f"{', '.join(behind)} - it crashed, stalled, or left the training loop.")
+                        f"{', '.join(behind)}: it is late (still starting up, a long "
+                        "first batch or evaluation), stalled, crashed, or left the training "
+                        "loop.")
             return " Every rank reached this point: a rank failed inside it."
         except Exception:
             return " The rendezvous store is unreachable too: rank 0 (which hosts it) may be dead."
 
     def wait(self, work, what: str, iteration: int):
         """``work.wait()``, turning a failure (timeout, dead peer) into a clear error."""
+        return self.call(work.wait, what, iteration)
+
+    def call(self, fn, what: str, iteration: int):
+        """``fn()`` (a blocking collective), turning a failure (timeout, dead peer) into the
+        clear error of :meth:`wait`."""
         try:
-            return work.wait()
+            return fn()
         except Exception as e:
             self.failed = True
             cause = _first_line(e)
