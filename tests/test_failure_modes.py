@@ -561,3 +561,43 @@ def test_rank_late_for_the_first_backward_is_named(dist_run):
     assert message is not None and "rank 1" in message, message
     assert "never started a backward" in message and "late" in message, message
     assert "timed out" in message.lower() and "reducer state" in message, message
+
+
+def _hook_callback_raises_on_rank_1(timeout_s=2.0):
+    """A comm hook whose decompress callback raises on rank 1 in iteration 3 (the fourth
+    backward): that rank must say its own hook raised, in iteration 3, blaming no peer."""
+    rank = dist.get_rank()
+    model = build("mlp")
+    calls = {"backward": 0}
+
+    def hook(state, bucket):
+        fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+        fail = rank == 1 and calls["backward"] == 3
+
+        def after(f):
+            if fail:
+                raise ValueError("decompression failed")
+            return f.value()[0].div_(dist.get_world_size())
+        return fut.then(after)
+    try:
+        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
+                                       timeout=datetime.timedelta(seconds=timeout_s)) as red:
+            red.register_comm_hook(None, hook)
+            for step in range(5):
+                calls["backward"] = step
+                loss_of(model(batch("mlp", rank, step))).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_hook_that_raised_on_this_rank_is_named_as_such(dist_run):
+    results = dist_run(_hook_callback_raises_on_rank_1, world_size=2, timeout=60,
+                       teardown=True)
+    mine = results[1]
+    assert mine is not None and "decompression failed" in mine, mine
+    assert "iteration 4" in mine and "iteration 0" not in mine, mine  # (passes count from 1)
+    assert "on this rank" in mine and "behind it" not in mine, mine
+    theirs = results[0]  # rank 0 times out, naming rank 1 and the cause it reported
+    assert theirs is not None and "rank 1" in theirs, theirs
+    assert "decompression failed" in theirs, theirs  # its own report, left in the store

@@ -140,16 +140,17 @@ class _OwnAllreduce:
 class _HookResult:
     """A comm hook's future: its value, checked, is the bucket's new content."""
 
-    __slots__ = ("future", "hook", "spec", "index", "guard", "what")
+    __slots__ = ("future", "hook", "spec", "index", "guard", "what", "iteration")
 
-    def __init__(self, future, hook, spec: Bucket, index: int, guard: CommGuard, what: str):
+    def __init__(self, future, hook, spec: Bucket, index: int, guard: CommGuard, what: str,
+                 iteration: int):
         self.future, self.hook, self.spec, self.index = future, hook, spec, index
-        self.guard, self.what = guard, what
+        self.guard, self.what, self.iteration = guard, what, iteration
 
     def wait(self) -> torch.Tensor:
         # bounded by timeout= (a Future has no timeout of its own), with the diagnosis
         value = self.guard.wait_future(self.future, f"comm hook {hook_name(self.hook)} on "
-                                       f"{self.what}", 0)
+                                       f"{self.what}", self.iteration, own_code=True)
         return check_result(self.hook, self.index, self.spec, value)
 
 
@@ -248,7 +249,7 @@ class SparseBucket(_BucketBase):
             gb = GradBucket(self.index, g, self.params, [0], is_last=self.is_last)
             self.handle = _HookResult(invoke(comm.hook, comm.hook_state, self.index, gb),
                                       comm.hook, self.spec, self.index, comm.guard,
-                                      self.describe())
+                                      self.describe(), p.iteration)
 
     def finish(self, result: torch.Tensor, targets: list, all_targets: bool = False,
                stats: torch.Tensor | None = None) -> bool:
@@ -318,7 +319,7 @@ class DenseBucket(_BucketBase):
         else:
             fut = invoke(comm.hook, comm.hook_state, self.index, gb)
         self.handle = _HookResult(fut, comm.hook, self.spec, self.index, comm.guard,
-                                  self.describe())
+                                  self.describe(), p.iteration)
 
     def send_ready_chunks(self, p: Pass, comm: Comm) -> None:
         """Send each chunk whose gradients are all in (never the last one: that goes when the

@@ -38,6 +38,17 @@ def _describe_progress(seen: int | None) -> str:
     return f"started backward iteration {seen // 2} but has not finished it"
 
 
+_BACKEND_WORDS = ("gloo", "nccl", "c10d", "connection", "timed out", "timeout", "pair closure",
+                  "processgroup", "process group", "socket", "peer")
+
+
+def _is_backend_error(e: BaseException) -> bool:
+    """Whether ``e`` came from the communication library (a failed or timed out collective)
+    rather than from user code run in a future's callback."""
+    text = str(e).lower()
+    return any(w in text for w in _BACKEND_WORDS)
+
+
 def _first_line(e: BaseException) -> str:
     """The cause of a backend error, without gloo's generic advice or a C++ trace."""
     text = str(e).strip()
@@ -163,6 +174,18 @@ class CommGuard:
         except Exception:  # the store is gone (rank 0 died): diagnosis will say so
             pass
 
+    def report_own_failure(self, text: str) -> None:
+        """Leave in the rendezvous store that this rank failed in its own code (``text``: the
+        short cause), so the peers' reports name it instead of guessing."""
+        if self._store is None:
+            return
+        try:
+            with _quiet_store_errors():
+                self._store.set(f"tribucket/{self.seq}/failed/{self._global[self.rank]}",
+                                text[:300])
+        except Exception:
+            pass
+
     def _who_is_behind(self, iteration: int) -> str:
         if self._store is None:
             return (" Pass timeout=datetime.timedelta(...) to fused_bucketing to have it name "
@@ -171,6 +194,15 @@ class CommGuard:
         try:
             behind = []
             with _quiet_store_errors():
+                failed = []
+                for r in range(self.world_size):
+                    key = f"tribucket/{self.seq}/failed/{self._global[r]}"
+                    if r != self.rank and self._store.check([key]):
+                        failed.append(f"rank {self._global[r]} ("
+                                      f"{self._store.get(key).decode(errors='replace')})")
+                if failed:
+                    return (f" The cause is on another rank, which reported an error of its "
+                            f"own: {', '.join(failed)}.")
                 for r in range(self.world_size):
                     if r == self.rank:
                         continue
@@ -210,15 +242,32 @@ class CommGuard:
             f"{self._who_is_behind(iteration)} The process group cannot be used any more; "
             "end the job (torchrun restarts it) and resume from a checkpoint.")
 
-    def wait_future(self, fut, what: str, iteration: int):
+    def wait_future(self, fut, what: str, iteration: int, own_code: bool = False):
         """``fut.wait()`` bounded by the timeout (a Future has none of its own): a hook
-        future that does not complete in time fails with the diagnosis of :meth:`wait`."""
+        future that does not complete in time fails with the diagnosis of :meth:`wait`.
+        ``own_code``: the future runs user code (a comm hook's callbacks); an error that is
+        not the communication library's is reported as this rank's own, blaming no peer."""
         if self.timeout is not None and not fut.done():
             done = threading.Event()
             fut.add_done_callback(lambda _: done.set())
             if not done.wait(self.timeout.total_seconds()):
                 self.failed = True
                 raise self._failure(what, f"timed out after {self.timeout}", iteration)
+        if own_code:
+            try:
+                return fut.wait()
+            except Exception as e:
+                if not _is_backend_error(e):
+                    self.failed = True
+                    self.report_own_failure(f"{what} raised in iteration {iteration}: "
+                                            f"{_first_line(e)}")
+                    raise RuntimeError(
+                        f"tribucket (rank {self.rank}): {what} raised on this rank in "
+                        f"iteration {iteration}: {_first_line(e)}. The error is in the hook's "
+                        "own code on this rank, not in a peer; the other ranks wait for this "
+                        "rank's end-of-backward status and fail (at timeout=, naming it). End "
+                        "the job, fix the hook, and resume from a checkpoint.") from e
+                return self.wait(fut, what, iteration)
         return self.wait(fut, what, iteration)
 
     # ----------------------------------------------------------------- debug fingerprints
