@@ -111,11 +111,13 @@ def _refuse(module: nn.Module, process_group, options: dict) -> None:
     experts = [n for n, p in module.named_parameters() if is_expert_parallel(p)]
     if experts:
         raise ValueError(
-            f"fused_bucketing(manager=...) does not support expert-parallel MoE layers "
-            f"({experts[0]!r} is an expert-parallel parameter): their all-to-all and their "
-            "replicas' reducers run on process groups the manager does not reconfigure, so "
-            "a lost replica group would hang them; use experts local to each replica group "
-            "(ep_size=1)")
+            f"fused_bucketing(manager=...) does not support tribucket.moe layers "
+            f"({experts[0]!r} is an expert-parallel parameter): expert parameters are left "
+            "out of the data-parallel reducer and averaged by expert reducers, and the "
+            "all-to-all runs, on process groups the manager does not reconfigure, so they "
+            "would not be averaged across replica groups and a lost replica group would hang "
+            "them; train MoE models with fault tolerance through torchft's own wrappers, or "
+            "without manager=")
     sparse = [n for n, m in module.named_modules()
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
     if sparse:
