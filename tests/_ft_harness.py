@@ -75,13 +75,14 @@ class FTRun:
         self.address = f"http://127.0.0.1:{port}"
         return self.address
 
-    def replica(self, replica: int, tag: str | None = None, **options) -> subprocess.Popen:
+    def replica(self, replica: int, tag: str | None = None, worker: str = WORKER,
+                **options) -> subprocess.Popen:
         """Start replica group ``replica`` (one process); ``options`` become worker flags
         (``die_at=5`` -> ``--die-at 5``). ``tag`` names its log files (default ``r<id>``)."""
         tag = tag or f"r{replica}"
         log, params = (os.path.join(self.dir, f"{tag}.{ext}") for ext in ("jsonl", "pt"))
         self.logs[tag] = log
-        argv = [sys.executable, WORKER, "--log", log, "--params", params]
+        argv = [sys.executable, worker, "--log", log, "--params", params]
         for k, v in options.items():
             argv += [f"--{k.replace('_', '-')}", str(v)]
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),

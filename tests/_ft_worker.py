@@ -65,6 +65,8 @@ def main() -> None:
     ap.add_argument("--params", default="")
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--go", default="", help="wait for this file before the first step")
+    ap.add_argument("--async-quorum", type=int, default=0,
+                    help="1: torchft's default asynchronous quorum (heal before the step)")
     ap.add_argument("--stop-file", default="",
                     help="once this file exists, stop at the step number written in it")
     args = ap.parse_args()
@@ -93,7 +95,7 @@ def main() -> None:
     manager = torchft.Manager(
         pg=torchft.ProcessGroupGloo(timeout=timeout), min_replica_size=1,
         load_state_dict=load_state, state_dict=save_state, replica_id=f"replica_{replica}",
-        use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
+        use_async_quorum=bool(args.async_quorum), timeout=timeout, quorum_timeout=timeout,
         connect_timeout=timeout)
     if args.impl == "tribucket":
         reducer = tribucket.fused_bucketing(model, manager=manager)
@@ -116,6 +118,8 @@ def main() -> None:
         t0 = time.perf_counter()
         before = manager.current_step()
         optim.zero_grad()  # start_quorum: a recovering replica group heals here
+        if args.async_quorum:
+            manager.wait_quorum()  # (for the log: the step count a recovery brings)
         step = manager.current_step()
         healed = step != before  # the step count came with the peer's state
         x, y = batch(replica, step, IN)
