@@ -33,8 +33,8 @@ import tribucket  # noqa: E402
 
 
 # ------------------------------------------------------------------ the dense reference
-def reference(participants: dict[int, int], last: int, clip: float = 0.0
-              ) -> dict[int, torch.Tensor]:
+def reference(participants: dict[int, int], last: int, clip: float = 0.0,
+              zeros_from_1: tuple = ()) -> dict[int, torch.Tensor]:
     """Parameters after each committed step of one process training on the average of the
     participating replica groups' batches: ``participants[step]`` is 2 (replicas 0 and 1) or
     1 (replica 0 alone)."""
@@ -46,6 +46,8 @@ def reference(participants: dict[int, int], last: int, clip: float = 0.0
         opt.zero_grad()
         reps = [0, 1][:participants[step]]
         for r in reps:
+            if r == 1 and step in zeros_from_1:
+                continue  # replica 1 sat this step out, sending zeros (healing, async quorum)
             x, y = W.batch(r, step)
             (nn.functional.mse_loss(model(x), y) / len(reps)).backward()
         if clip:
@@ -60,8 +62,9 @@ def _committed(records: list[dict]) -> dict[int, dict]:
 
 
 def _check_against_reference(got: dict[int, torch.Tensor], participants: dict[int, int],
-                             atol: float, clip: float = 0.0, what: str = "") -> None:
-    ref = reference(participants, max(got), clip)
+                             atol: float, clip: float = 0.0, what: str = "",
+                             zeros_from_1: tuple = ()) -> None:
+    ref = reference(participants, max(got), clip, zeros_from_1)
     for step in sorted(got):
         diff = (got[step] - ref[step]).abs().max().item()
         assert diff <= atol, (f"{what}: parameters after step {step - 1} differ from the dense "
@@ -70,74 +73,103 @@ def _check_against_reference(got: dict[int, torch.Tensor], participants: dict[in
 
 # ------------------------------------------------------------------ multi-process runs
 @pytest.mark.ft
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_kill_survive_and_recover_live(tmp_path):
     """Replica 1 is SIGKILLed in the backward of step K: replica 0 drops that step (no
     half-applied update), commits the next ones alone within the heartbeat timeout + 2 s,
     and replica 1, restarted, recovers model, optimizer and reducer state from replica 0
-    and then matches it bit for bit; every committed step equals the dense reference."""
+    and then matches it bit for bit; every committed step equals the dense reference.
+
+    Twice at once, on two Lighthouses: with ``use_async_quorum=False`` (the restarted
+    replica heals before its forward, into a reducer that has not run a backward) and with
+    torchft's default asynchronous quorum (it trains the step, sending zeros, and loads the
+    state before the optimizer step, into a reducer that has)."""
     K, heartbeat_s = 4, 2.0
-    with FTRun(str(tmp_path), heartbeat_timeout_ms=int(heartbeat_s * 1000)) as run:
-        run.lighthouse()
-        go, stop = str(tmp_path / "go"), str(tmp_path / "stop")
-        # the survivor steps on (slowly) until the test writes the last step into `stop`
-        a = run.replica(0, steps=10_000, sleep=0.1, go=go, stop_file=stop)
-        run.replica(1, steps=10_000, die_at=K, go=go)
-        start_together(run, ["r0", "r1"], go)
-        # the survivor commits two steps alone, then the killed replica comes back
-        run.wait_for(lambda: sum(r["participants"] == 1 for r in run.steps("r0", True)) >= 2,
-                     60, "replica 0 to commit 2 steps alone after replica 1 was killed")
-        t_restart = time.time()
-        b = run.replica(1, tag="r1b", steps=10_000, stop_file=stop)
-        run.wait_for(lambda: len(run.steps("r1b", True)) >= 3, 120,
-                     "the restarted replica 1 to commit 3 steps")
-        steps = max(r["step"] for r in run.steps("r0", True)) + 4
-        with open(stop + ".tmp", "w") as f:
-            f.write(str(steps))
-        os.replace(stop + ".tmp", stop)
-        assert run.wait_exit(b, 60, "r1b") == 0, run.tail("r1b")
-        assert run.wait_exit(a, 60, "r0") == 0, run.tail("r0")
+    modes = (0, 1)
+    with contextlib.ExitStack() as stack:
+        runs, survivors, restarted, t_restart = {}, {}, {}, {}
+        for mode in modes:
+            sub = tmp_path / f"async{mode}"
+            sub.mkdir()
+            run = runs[mode] = stack.enter_context(
+                FTRun(str(sub), heartbeat_timeout_ms=int(heartbeat_s * 1000)))
+            run.lighthouse()
+            # the survivor steps on (slowly) until the test writes the last step into `stop`
+            survivors[mode] = run.replica(0, steps=10_000, sleep=0.1, go=str(sub / "go"),
+                                          stop_file=str(sub / "stop"), async_quorum=mode)
+            run.replica(1, steps=10_000, die_at=K, go=str(sub / "go"), async_quorum=mode)
+        for mode in modes:
+            start_together(runs[mode], ["r0", "r1"], str(tmp_path / f"async{mode}" / "go"))
+        for mode in modes:  # the survivor commits 2 steps alone; the killed one comes back
+            run = runs[mode]
+            run.wait_for(lambda: sum(r["participants"] == 1
+                                     for r in run.steps("r0", True)) >= 2,
+                         60, "replica 0 to commit 2 steps alone after replica 1 was killed")
+            t_restart[mode] = time.time()
+            restarted[mode] = run.replica(1, tag="r1b", steps=10_000, async_quorum=mode,
+                                          stop_file=str(tmp_path / f"async{mode}" / "stop"))
+        for mode in modes:
+            run = runs[mode]
+            run.wait_for(lambda: len(run.steps("r1b", True)) >= 3, 120,
+                         "the restarted replica 1 to commit 3 steps")
+            stop = str(tmp_path / f"async{mode}" / "stop")
+            with open(stop + ".tmp", "w") as f:
+                f.write(str(max(r["step"] for r in run.steps("r0", True)) + 4))
+            os.replace(stop + ".tmp", stop)
+        for mode in modes:
+            run = runs[mode]
+            assert run.wait_exit(restarted[mode], 60, "r1b") == 0, run.tail("r1b")
+            assert run.wait_exit(survivors[mode], 60, "r0") == 0, run.tail("r0")
+            _check_kill_run(run, K, heartbeat_s, t_restart[mode], bool(mode))
 
-        r0 = run.steps("r0")
-        kill = next(r for r in run.records("r1") if r["event"] == "kill")
-        assert kill["step"] == K
-        # before the kill: both replicas in every step, all committed
-        assert [(r["step"], r["committed"], r["participants"]) for r in r0[:K]] == \
-            [(s, True, 2) for s in range(K)]
-        # the step in flight is dropped on the survivor, then redone alone
-        at_k = [r for r in r0 if r["step"] == K]
-        assert at_k[0]["committed"] is False, at_k
-        assert at_k[-1]["committed"] and at_k[-1]["participants"] == 1, at_k
-        first_alone = at_k[-1]
-        drop_s = first_alone["t"] - kill["t"]
-        assert drop_s <= heartbeat_s + 2.0 + 3.0, f"survivor's next commit {drop_s:.1f} s after the kill"
 
-        committed0 = _committed(r0)
-        assert sorted(committed0) == list(range(steps))
-        participants = {s: r["participants"] for s, r in committed0.items()}
-        assert set(participants.values()) == {1, 2}
-        p0 = run.params("r0")
-        _check_against_reference(p0, participants, atol=2e-6, what="replica 0")
+def _check_kill_run(run: FTRun, K: int, heartbeat_s: float, t_restart: float,
+                    async_quorum: bool) -> None:
+    mode = "asynchronous quorum" if async_quorum else "synchronous quorum"
+    r0 = run.steps("r0")
+    kill = next(r for r in run.records("r1") if r["event"] == "kill")
+    assert kill["step"] == K
+    # before the kill: both replicas in every step, all committed
+    assert [(r["step"], r["committed"], r["participants"]) for r in r0[:K]] == \
+        [(s, True, 2) for s in range(K)], mode
+    # the step in flight is dropped on the survivor, then redone alone
+    at_k = [r for r in r0 if r["step"] == K]
+    assert at_k[0]["committed"] is False, at_k
+    assert at_k[-1]["committed"] and at_k[-1]["participants"] == 1, at_k
+    drop_s = at_k[-1]["t"] - kill["t"]
+    assert drop_s <= heartbeat_s + 2.0 + 3.0, f"survivor's next commit {drop_s:.1f} s after the kill"
 
-        # the restarted replica: healed at its first step, then equal to replica 0 bit for bit
-        r1b = run.steps("r1b")
-        assert r1b[0]["healed"], r1b[0]
-        first = min(_committed(r1b))
-        p1b = run.params("r1b")
-        assert min(p1b) == first + 1
-        for step in p1b:
-            assert torch.equal(p1b[step], p0[step]), f"step {step - 1}: recovered replica differs"
-        # the reducer state came with the model: same iteration count and layout
-        by_step0 = {r["step"]: r for r in r0 if r["committed"]}
-        for r in _committed(r1b).values():
-            assert r["iterations"] == by_step0[r["step"]]["iterations"]
-            assert r["layout"] == by_step0[r["step"]]["layout"]
-        recover_s = _committed(r1b)[first]["t"] - t_restart
-        started = next(r for r in run.records("r1b") if r["event"] == "start")["t"]
-        print(f"\nfirst commit alone {drop_s:.2f} s after the kill (heartbeat timeout "
-              f"{heartbeat_s:.0f} s); restarted replica's first commit {recover_s:.2f} s after "
-              f"its launch, {_committed(r1b)[first]['t'] - started:.2f} s after its manager "
-              f"was up (step {first})")
+    committed0 = _committed(r0)
+    steps = max(committed0) + 1
+    assert sorted(committed0) == list(range(steps))
+    participants = {s: r["participants"] for s, r in committed0.items()}
+    assert set(participants.values()) == {1, 2}
+    p0 = run.params("r0")
+    # with the asynchronous quorum replica 1 heals from replica 0 at step 0 (torchft's
+    # init_sync) while it trains that step, sending zeros
+    _check_against_reference(p0, participants, atol=2e-6, what=f"replica 0, {mode}",
+                             zeros_from_1=(0,) if async_quorum else ())
+
+    # the restarted replica: healed at its first step, then equal to replica 0 bit for bit
+    r1b = run.steps("r1b")
+    assert r1b[0]["healed"], r1b[0]
+    first = min(_committed(r1b))
+    p1b = run.params("r1b")
+    assert min(p1b) == first + 1
+    for step in p1b:
+        assert torch.equal(p1b[step], p0[step]), f"{mode}, step {step - 1}: recovered replica differs"
+    # the reducer state came with the model: the layout, and (loaded before the first
+    # backward) the iteration count
+    for r in _committed(r1b).values():
+        assert r["layout"] == committed0[r["step"]]["layout"]
+        if not async_quorum:
+            assert r["iterations"] == committed0[r["step"]]["iterations"]
+    recover_s = _committed(r1b)[first]["t"] - t_restart
+    started = next(r for r in run.records("r1b") if r["event"] == "start")["t"]
+    print(f"\n{mode}: first commit alone {drop_s:.2f} s after the kill (heartbeat timeout "
+          f"{heartbeat_s:.0f} s); restarted replica's first commit {recover_s:.2f} s after "
+          f"its launch, {_committed(r1b)[first]['t'] - started:.2f} s after its manager "
+          f"was up (step {first})")
 
 
 @pytest.mark.ft
