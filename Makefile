@@ -12,12 +12,14 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo ">> installing $(TORCH_PIN) (CPU build) first, then tribucket[test,perf,conformance,integrations]"
+	@echo ">> installing $(TORCH_PIN) (CPU build) first, then tribucket[test,perf,conformance,integrations,ft]"
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,perf,conformance]'
 	@# the real-model suite's libraries, after torch; naming $(TORCH_PIN) again in the same
 	@# command makes pip keep it (a dependency asking for another torch fails the install)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[integrations]' $(TORCH_PIN)
+	@# torchft (fault tolerance across replica groups, tests/test_ft.py), the same way
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[ft]' $(TORCH_PIN)
 	@touch $(STAMP)
 
 # The demo relaunches itself as .venv/bin/torchrun --standalone --nproc-per-node 2 (gloo on

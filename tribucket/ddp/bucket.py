@@ -56,6 +56,9 @@ class Comm:
     traits: Any                    # hooks._HookTraits of the hook
     chunk_group: Any               # where the reducer's own (chunked) allreduces go
     world_size: int
+    #: replaces the averaging allreduce (default, allreduce/fp16/bf16 hooks): called with
+    #: the packed wire buffer, returns a Future of the averaged buffer (tribucket/ft.py)
+    collective: Callable | None = None
 
 
 # ------------------------------------------------------------------ the per-gradient hook
@@ -305,6 +308,11 @@ class DenseBucket(_BucketBase):
         or to the comm hook. Every rank calls this for bucket b after bucket b-1."""
         if self.state != BucketState.LAUNCHED:
             self.state, self.t_launch = BucketState.LAUNCHED, time.perf_counter()
+        if comm.collective is not None and comm.traits.chunkable:  # e.g. a torchft Manager
+            p.bytes += buf.numel() * buf.element_size()
+            self.handle = _HookResult(comm.collective(buf), comm.hook, self.spec, self.index,
+                                      comm.guard, self.describe())
+            return
         if comm.traits.chunkable:  # an averaging allreduce the reducer sends itself
             while self.chunk_next < len(self.chunks):
                 self._send_chunk(p, comm, buf)

@@ -486,6 +486,7 @@ def fused_bucketing(model: nn.Module, process_group: dist.ProcessGroup | None = 
                     static_graph: bool = False,
                     broadcast_buffers: bool | str = True,
                     ignore_parameters=(),
+                    manager: Any = None,
                     **options: Any) -> Reducer:
     """Average ``model``'s gradients across ranks, as DDP does, while the context is open.
 
@@ -499,7 +500,17 @@ def fused_bucketing(model: nn.Module, process_group: dist.ProcessGroup | None = 
     Entering verifies the model is the same on every rank, broadcasts rank 0's parameters
     and buffers, and attaches hooks; leaving removes every hook. See :class:`ReducerConfig`
     for the options (they mean what DDP's do, plus ``timeout`` and ``debug``).
+    ``manager``: a ``torchft.Manager``; each bucket is averaged across replica groups through
+    its fault-tolerant allreduce (see ``tribucket/ft.py`` and docs/reliability.md).
     """
+    if manager is not None:
+        from ..ft import ManagedReducer
+        return ManagedReducer(model, manager, process_group, bucket_cap_mb=bucket_cap_mb,
+                              first_bucket_cap_mb=first_bucket_cap_mb,
+                              gradient_as_bucket_view=gradient_as_bucket_view,
+                              find_unused_parameters=find_unused_parameters,
+                              static_graph=static_graph, broadcast_buffers=broadcast_buffers,
+                              ignore_parameters=ignore_parameters, **options)
     return Reducer(model, process_group, bucket_cap_mb=bucket_cap_mb,
                    first_bucket_cap_mb=first_bucket_cap_mb,
                    gradient_as_bucket_view=gradient_as_bucket_view,

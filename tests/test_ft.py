@@ -1,0 +1,387 @@
+"""Fault tolerance across replica groups on torchft: ``fused_bucketing(model, manager=...)``.
+
+Two kinds of tests:
+
+* in the gloo pool (one rank, a stand-in manager): what goes to the manager (one
+  allreduce per bucket, in the wire dtype, none under ``no_sync``), the fixed layout, the
+  reducer state the manager carries, and the refusals at entry;
+* ``@pytest.mark.ft``: a torchft Lighthouse and replica groups as subprocesses (each one
+  process, its own store, ``REPLICA_GROUP_ID``), compared step by step with a dense
+  single-process reference: a replica SIGKILLed in its backward, the survivor going on
+  alone, the killed one restarted and recovering live, fp16 + clip, and torchft's own DDP
+  on the same run as the baseline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+pytest.importorskip("torchft", reason="torchft is not installed: pip install 'tribucket[ft]' "
+                    "with torch pinned (make venv installs it)")
+
+import _ft_worker as W  # noqa: E402
+from _ft_harness import FTRun, start_together  # noqa: E402
+
+import tribucket  # noqa: E402
+
+
+# ------------------------------------------------------------------ the dense reference
+def reference(participants: dict[int, int], last: int, clip: float = 0.0,
+              zeros_from_1: tuple = ()) -> dict[int, torch.Tensor]:
+    """Parameters after each committed step of one process training on the average of the
+    participating replica groups' batches: ``participants[step]`` is 2 (replicas 0 and 1) or
+    1 (replica 0 alone)."""
+    torch.manual_seed(0)
+    model = W.build_model()
+    opt = W.make_optimizer(model)
+    out = {}
+    for step in range(last):
+        opt.zero_grad()
+        reps = [0, 1][:participants[step]]
+        for r in reps:
+            if r == 1 and step in zeros_from_1:
+                continue  # replica 1 sat this step out, sending zeros (healing, async quorum)
+            x, y = W.batch(r, step)
+            (nn.functional.mse_loss(model(x), y) / len(reps)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        out[step + 1] = W.flat_params(model)
+    return out
+
+
+def _committed(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r for r in records if r["committed"]}
+
+
+def _check_against_reference(got: dict[int, torch.Tensor], participants: dict[int, int],
+                             atol: float, clip: float = 0.0, what: str = "",
+                             zeros_from_1: tuple = ()) -> None:
+    ref = reference(participants, max(got), clip, zeros_from_1)
+    for step in sorted(got):
+        diff = (got[step] - ref[step]).abs().max().item()
+        assert diff <= atol, (f"{what}: parameters after step {step - 1} differ from the dense "
+                              f"reference by {diff:.3g} (participants {participants})")
+
+
+# ------------------------------------------------------------------ multi-process runs
+@pytest.mark.ft
+@pytest.mark.timeout(300)
+def test_kill_survive_and_recover_live(tmp_path):
+    """Replica 1 is SIGKILLed in the backward of step K: replica 0 drops that step (no
+    half-applied update), commits the next ones alone within the heartbeat timeout + 2 s,
+    and replica 1, restarted, recovers model, optimizer and reducer state from replica 0
+    and then matches it bit for bit; every committed step equals the dense reference.
+
+    Twice at once, on two Lighthouses: with ``use_async_quorum=False`` (the restarted
+    replica heals before its forward, into a reducer that has not run a backward) and with
+    torchft's default asynchronous quorum (it trains the step, sending zeros, and loads the
+    state before the optimizer step, into a reducer that has)."""
+    K, heartbeat_s = 4, 2.0
+    modes = (0, 1)
+    with contextlib.ExitStack() as stack:
+        runs, survivors, restarted, t_restart = {}, {}, {}, {}
+        for mode in modes:
+            sub = tmp_path / f"async{mode}"
+            sub.mkdir()
+            run = runs[mode] = stack.enter_context(
+                FTRun(str(sub), heartbeat_timeout_ms=int(heartbeat_s * 1000)))
+            run.lighthouse()
+            # the survivor steps on (slowly) until the test writes the last step into `stop`
+            survivors[mode] = run.replica(0, steps=10_000, sleep=0.1, go=str(sub / "go"),
+                                          stop_file=str(sub / "stop"), async_quorum=mode)
+            run.replica(1, steps=10_000, die_at=K, go=str(sub / "go"), async_quorum=mode)
+        for mode in modes:
+            start_together(runs[mode], ["r0", "r1"], str(tmp_path / f"async{mode}" / "go"))
+        for mode in modes:  # the survivor commits 2 steps alone; the killed one comes back
+            run = runs[mode]
+            run.wait_for(lambda: sum(r["participants"] == 1
+                                     for r in run.steps("r0", True)) >= 2,
+                         60, "replica 0 to commit 2 steps alone after replica 1 was killed")
+            t_restart[mode] = time.time()
+            restarted[mode] = run.replica(1, tag="r1b", steps=10_000, async_quorum=mode,
+                                          stop_file=str(tmp_path / f"async{mode}" / "stop"))
+        for mode in modes:
+            run = runs[mode]
+            run.wait_for(lambda: len(run.steps("r1b", True)) >= 3, 120,
+                         "the restarted replica 1 to commit 3 steps")
+            stop = str(tmp_path / f"async{mode}" / "stop")
+            with open(stop + ".tmp", "w") as f:
+                f.write(str(max(r["step"] for r in run.steps("r0", True)) + 4))
+            os.replace(stop + ".tmp", stop)
+        for mode in modes:
+            run = runs[mode]
+            assert run.wait_exit(restarted[mode], 60, "r1b") == 0, run.tail("r1b")
+            assert run.wait_exit(survivors[mode], 60, "r0") == 0, run.tail("r0")
+            _check_kill_run(run, K, heartbeat_s, t_restart[mode], bool(mode))
+
+
+def _check_kill_run(run: FTRun, K: int, heartbeat_s: float, t_restart: float,
+                    async_quorum: bool) -> None:
+    mode = "asynchronous quorum" if async_quorum else "synchronous quorum"
+    r0 = run.steps("r0")
+    kill = next(r for r in run.records("r1") if r["event"] == "kill")
+    assert kill["step"] == K
+    # before the kill: both replicas in every step, all committed
+    assert [(r["step"], r["committed"], r["participants"]) for r in r0[:K]] == \
+        [(s, True, 2) for s in range(K)], mode
+    # the step in flight is dropped on the survivor, then redone alone
+    at_k = [r for r in r0 if r["step"] == K]
+    assert at_k[0]["committed"] is False, at_k
+    assert at_k[-1]["committed"] and at_k[-1]["participants"] == 1, at_k
+    drop_s = at_k[-1]["t"] - kill["t"]
+    assert drop_s <= heartbeat_s + 2.0 + 3.0, f"survivor's next commit {drop_s:.1f} s after the kill"
+
+    committed0 = _committed(r0)
+    steps = max(committed0) + 1
+    assert sorted(committed0) == list(range(steps))
+    participants = {s: r["participants"] for s, r in committed0.items()}
+    assert set(participants.values()) == {1, 2}
+    p0 = run.params("r0")
+    # with the asynchronous quorum replica 1 heals from replica 0 at step 0 (torchft's
+    # init_sync) while it trains that step, sending zeros
+    _check_against_reference(p0, participants, atol=2e-6, what=f"replica 0, {mode}",
+                             zeros_from_1=(0,) if async_quorum else ())
+
+    # the restarted replica: healed at its first step, then equal to replica 0 bit for bit
+    r1b = run.steps("r1b")
+    assert r1b[0]["healed"], r1b[0]
+    first = min(_committed(r1b))
+    p1b = run.params("r1b")
+    assert min(p1b) == first + 1
+    for step in p1b:
+        assert torch.equal(p1b[step], p0[step]), f"{mode}, step {step - 1}: recovered replica differs"
+    # the reducer state came with the model: the layout, and (loaded before the first
+    # backward) the iteration count
+    for r in _committed(r1b).values():
+        assert r["layout"] == committed0[r["step"]]["layout"]
+        if not async_quorum:
+            assert r["iterations"] == committed0[r["step"]]["iterations"]
+    recover_s = _committed(r1b)[first]["t"] - t_restart
+    started = next(r for r in run.records("r1b") if r["event"] == "start")["t"]
+    print(f"\n{mode}: first commit alone {drop_s:.2f} s after the kill (heartbeat timeout "
+          f"{heartbeat_s:.0f} s); restarted replica's first commit {recover_s:.2f} s after "
+          f"its launch, {_committed(r1b)[first]['t'] - started:.2f} s after its manager "
+          f"was up (step {first})")
+
+
+@pytest.mark.ft
+@pytest.mark.timeout(240)
+def test_fp16_clip_and_torchft_ddp_baseline(tmp_path):
+    """fp16 fused compression + tribucket's clip through the manager, and torchft's own
+    DistributedDataParallel on the same data, both against the dense reference."""
+    steps, clip = 8, 0.5
+    cases = (("tribucket", "fp16", 2e-3), ("torchft", "none", 2e-6))
+    with contextlib.ExitStack() as stack:  # both runs at once: their start-ups overlap
+        runs, procs = {}, {}
+        for impl, hook, _ in cases:
+            sub = tmp_path / impl
+            sub.mkdir()
+            run = runs[impl] = stack.enter_context(FTRun(str(sub)))
+            run.lighthouse()
+            procs[impl] = [run.replica(r, steps=steps, impl=impl, hook=hook, clip=clip,
+                                       go=str(sub / "go")) for r in (0, 1)]
+        for impl, _, _ in cases:
+            start_together(runs[impl], ["r0", "r1"], str(tmp_path / impl / "go"))
+        for impl, hook, atol in cases:
+            run = runs[impl]
+            for r, proc in enumerate(procs[impl]):
+                assert run.wait_exit(proc, 120, f"r{r}") == 0, run.tail(f"r{r}")
+            recs = [run.steps(f"r{r}") for r in (0, 1)]
+            assert all(rec["committed"] and rec["participants"] == 2
+                       for rs in recs for rec in rs), recs
+            p0, p1 = run.params("r0"), run.params("r1")
+            for step in p0:
+                assert torch.equal(p0[step], p1[step]), f"{impl}: replicas differ at {step}"
+            _check_against_reference(p0, {s: 2 for s in range(steps)}, atol=atol, clip=clip,
+                                     what=impl)
+            if impl == "tribucket":
+                assert all(rec["found_inf"] == 0.0 for rec in recs[0])
+                assert any(rec["norm"] > clip for rec in recs[0]), "the clip never acted"
+
+
+# ------------------------------------------------------------------ in-process (one rank)
+class _FakeWork:
+    def __init__(self, t):
+        self.t = t
+
+    def wait(self, timeout=None):
+        return True
+
+
+class FakeManager:
+    """A stand-in for torchft.Manager: two replica groups whose peer sends what we send."""
+
+    def __init__(self, participants: int = 2):
+        self.n = participants
+        self.calls: list[tuple] = []
+        self.fns: dict = {}
+
+    def allreduce(self, tensor, should_quantize=False, reduce_op=dist.ReduceOp.AVG):
+        self.calls.append((tensor.dtype, tensor.numel(), str(reduce_op)))
+        if str(reduce_op) == str(dist.ReduceOp.SUM):
+            tensor.mul_(self.n)  # n replicas with this same tensor
+        return _FakeWork(tensor)
+
+    def num_participants(self):
+        return self.n
+
+    def should_commit(self):
+        return True
+
+    def register_state_dict_fn(self, key, load, save):
+        assert key not in self.fns
+        self.fns[key] = (load, save)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _check_wire_and_layout():
+    x = torch.randn(6, 8)
+    ref_model = _mlp()
+    ref_model(x).square().mean().backward()
+    want = _grads(ref_model)
+    out = {}
+    for hook, dtype, tol in ((None, torch.float32, 0), ("fp16", torch.float16, 2e-3),
+                             ("bf16", torch.bfloat16, 2e-2)):
+        m, model = FakeManager(), _mlp()
+        with tribucket.fused_bucketing(model, manager=m, bucket_cap_mb=0.0005) as red:
+            if hook:
+                red.register_comm_hook(None, getattr(tribucket.hooks, f"{hook}_compress_hook"))
+            fixed = red.fixed_layout().to_tensor().tolist()
+            for _ in range(3):
+                model.zero_grad()
+                model(x).square().mean().backward()
+                for g, w in zip(_grads(model), want):
+                    assert torch.allclose(g, w, atol=tol, rtol=tol), (hook, (g - w).abs().max())
+            assert red.layout.to_tensor().tolist() == fixed, "the layout changed"
+            n_buckets = len(red.layout.buckets)
+            assert n_buckets > 1
+            assert len(m.calls) == 3 * n_buckets, m.calls
+            assert {c[0] for c in m.calls} == {dtype}
+            # no_sync: nothing sent; the next synced backward sends the accumulated sum
+            model.zero_grad()
+            with red.no_sync():
+                model(x).square().mean().backward()
+            assert len(m.calls) == 3 * n_buckets
+            model(x).square().mean().backward()
+            assert len(m.calls) == 4 * n_buckets
+            for g, w in zip(_grads(model), want):
+                assert torch.allclose(g, 2 * w, atol=2 * tol, rtol=tol)
+        out[hook] = m.calls[0][2]
+    return out
+
+
+def test_buckets_go_through_the_manager_in_the_wire_dtype(dist_run):
+    ops = dist_run(_check_wire_and_layout, world_size=1)[0]
+    assert ops[None] == str(dist.ReduceOp.AVG)  # torchft divides by num_participants
+    assert ops["fp16"] == ops["bf16"] == str(dist.ReduceOp.SUM)  # divided before the sum
+
+
+def _check_state_travels():
+    x = torch.randn(6, 8)
+    m_live, live = FakeManager(), _mlp()
+    red = tribucket.fused_bucketing(live, manager=m_live, bucket_cap_mb=0.0005)
+    red.register_comm_hook(None, tribucket.hooks.fp16_compress_hook)
+    for _ in range(3):
+        live(x).square().mean().backward()
+    load_live, save_live = m_live.fns[tribucket.ft.STATE_KEY]
+    state = save_live()
+    # a fresh replica group loads it before its first backward
+    m_new, fresh = FakeManager(), _mlp()
+    red2 = tribucket.fused_bucketing(fresh, manager=m_new, bucket_cap_mb=0.0005)
+    red2.register_comm_hook(None, tribucket.hooks.fp16_compress_hook)
+    m_new.fns[tribucket.ft.STATE_KEY][0](state)
+    assert red2.state_dict() == state
+    # a live one (after backward) checks it and keeps going
+    load_live(state)
+    live(x).square().mean().backward()
+    # another hook is refused, naming the field
+    m_other, other = FakeManager(), _mlp()
+    red3 = tribucket.fused_bucketing(other, manager=m_other, bucket_cap_mb=0.0005)
+    try:
+        m_other.fns[tribucket.ft.STATE_KEY][0](state)
+        raise AssertionError("loading an fp16-hook state into a default-hook reducer passed")
+    except ValueError as e:
+        assert "fp16_compress_hook" in str(e)
+    for r in (red, red2, red3):
+        r.close()
+    # a second reducer on the same manager takes over the registered functions
+    red4 = tribucket.fused_bucketing(live, manager=m_live, bucket_cap_mb=0.0005)
+    assert m_live.fns[tribucket.ft.STATE_KEY][1]()["iterations"] == 0
+    red4.close()
+    return True
+
+
+def test_reducer_state_travels_with_the_manager(dist_run):
+    assert dist_run(_check_state_travels, world_size=1) == [True]
+
+
+def _refusals():
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+    from tribucket._tags import mark_expert_parallel
+
+    msgs = {}
+
+    def refused(key, fn, exc=ValueError):
+        try:
+            fn()
+        except exc as e:
+            msgs[key] = str(e)
+            return
+        raise AssertionError(f"{key} was not refused")
+
+    m = FakeManager()
+    refused("shard", lambda: tribucket.fused_bucketing(_mlp(), manager=m, shard_optimizer=True))
+    refused("chunk", lambda: tribucket.fused_bucketing(_mlp(), manager=m, comm_chunk_mb=1))
+    refused("not a manager", lambda: tribucket.fused_bucketing(_mlp(), manager=object()),
+            TypeError)
+    emb = nn.Sequential(nn.Embedding(10, 4, sparse=True))
+    refused("sparse", lambda: tribucket.fused_bucketing(emb, manager=m))
+    ep = _mlp()
+    mark_expert_parallel(ep[0].weight)
+    refused("moe", lambda: tribucket.fused_bucketing(ep, manager=m))
+    with tribucket.fused_bucketing(_mlp(), manager=m) as red:
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=1)
+        refused("powersgd", lambda: red.register_comm_hook(state, ps.powerSGD_hook))
+        # torch's fp16 hook is accepted and runs as tribucket's fused one
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as d
+        red.register_comm_hook(None, d.fp16_compress_hook)
+        assert red._comm.traits.wire_dtype == torch.float16
+    return msgs
+
+
+def test_refused_at_entry_with_the_reason(dist_run):
+    msgs = dist_run(_refusals, world_size=1)[0]
+    assert "shard_optimizer" in msgs["shard"]
+    assert "comm_chunk_mb" in msgs["chunk"]
+    assert "torchft.Manager" in msgs["not a manager"]
+    assert "sparse" in msgs["sparse"]
+    assert "expert-parallel" in msgs["moe"]
+    assert "PowerSGD" in msgs["powersgd"] and "bypass" in msgs["powersgd"]
+
+
+def _two_ranks_refused():
+    try:
+        tribucket.fused_bucketing(_mlp(), manager=FakeManager())
+    except ValueError as e:
+        return "one process per replica group" in str(e)
+    return False
+
+
+def test_replica_group_of_two_ranks_refused(dist_run):
+    assert dist_run(_two_ranks_refused, world_size=2) == [True, True]
