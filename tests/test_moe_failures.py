@@ -185,3 +185,23 @@ def test_backward_inside_gathered_experts_is_refused(dist_run):
     for error, unchanged in dist_run(_step_inside_gathered, world_size=2, timeout=60):
         assert error is not None and "gathered_experts" in error and "evaluation" in error, error
         assert unchanged
+
+
+# ---------------------------------------------------------------- construction on one rank
+def _local_experts_differ():
+    rank = dist.get_rank()
+    experts = [_ffn(10 * rank + e) for e in range(1 if rank == 1 else 2)]
+    try:
+        MoELayer(experts, 4, D, top_k=2)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.dist
+def test_local_expert_counts_that_differ_are_named_on_every_rank(dist_run):
+    # before: rank 1 raised alone; rank 0 waited in the construction's all-gather
+    for rank, msg in enumerate(dist_run(_local_experts_differ, world_size=2, timeout=40,
+                                        teardown=True)):
+        assert msg is not None and "local experts" in msg, (rank, msg)
+        assert "2 on rank 0" in msg and "1 on rank 1" in msg, (rank, msg)

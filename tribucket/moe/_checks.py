@@ -56,6 +56,7 @@ def check_ranks_agree(layer: MoELayer, signature, group: dist.ProcessGroup | Non
     policy_key = repr(policy) if policy is None or is_dataclass(policy) else type(policy).__qualname__
     fields = [("d_model", layer.d_model), ("num_experts", layer.num_experts),
               ("top_k", layer.top_k), ("group_size", layer.group_size),
+              ("local experts", layer.num_local_experts),
               ("normalize_weights", int(layer.normalize_weights)),
               ("schedule", crc(layer.schedule)), ("shadow_policy", crc(policy_key)),
               ("capacity_factor", crc(layer.dispatcher.capacity_factor)),
@@ -69,7 +70,7 @@ def check_ranks_agree(layer: MoELayer, signature, group: dist.ProcessGroup | Non
               ("router parameters (names, shapes, dtypes)", crc(expert_signature(layer.router))),
               ("expert parameters (names, shapes, dtypes), needed to shadow",
                crc(signature) if policy is not None else 0)]
-    numeric = 5  # the first five fields are integers worth printing
+    numeric = 6  # the first six fields are integers worth printing
     device = next(itertools.chain(layer.router.parameters(), layer.experts.parameters())).device
     mine = torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]

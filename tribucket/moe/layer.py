@@ -209,10 +209,11 @@ class MoELayer(nn.Module):
             expert_grad_scale = 1.0 / world
         self.dispatcher = MoEDispatcher(num_experts, group=group, capacity_factor=capacity_factor,
                                         backend=backend)
-        if num_experts != world * len(experts):
-            raise ValueError(
-                f"num_experts={num_experts} but {len(experts)} local experts x world size {world} "
-                f"= {world * len(experts)}: pass num_experts = world_size * len(experts)")
+        # raised after the agreement across ranks (below), so that a rank with another number
+        # of local experts is named on every rank instead of leaving its peers waiting
+        count_error = (None if num_experts == world * len(experts) else ValueError(
+            f"num_experts={num_experts} but {len(experts)} local experts x world size {world} "
+            f"= {world * len(experts)}: pass num_experts = world_size * len(experts)"))
         if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < 1:
             raise ValueError(f"d_model must be a positive int, got {d_model!r}")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
@@ -311,6 +312,8 @@ class MoELayer(nn.Module):
                 p.register_hook(lambda g, s=self.expert_grad_scale: g * s)
         self.register_load_state_dict_pre_hook(_drop_other_ranks_experts)
         check_ranks_agree(self, signature, group)  # first: the broadcast needs equal shapes
+        if count_error is not None:  # the same on every rank (their counts agreed)
+            raise count_error
         # the group the layer's collectives run on (timed when timeout is given), its
         # progress marks and failure reports
         self._guard = MoEGuard(group, rank, world, timeout, name)
