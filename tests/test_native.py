@@ -398,6 +398,23 @@ def _unwritable_cache(required):
             os.environ["TORCH_EXTENSIONS_DIR"] = env
 
 
+def _unwritable_cache_warnings(required):
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        outcome = _unwritable_cache(required)
+    return outcome, [str(w.message) for w in seen if "native gradient hooks" in str(w.message)]
+
+
+def test_native_hooks_required_does_not_announce_the_python_hooks(dist_run):
+    # before: native_hooks=True warned "using the Python hooks", then raised
+    for (kind, detail), said in dist_run(_unwritable_cache_warnings, True, world_size=2):
+        assert kind == "error" and "native_hooks=True" in detail, detail
+        assert not any("using the Python hooks" in w for w in said), said
+    for (kind, _), said in dist_run(_unwritable_cache_warnings, None, world_size=2):
+        assert kind == "python" and any("using the Python hooks" in w for w in said), said
+
+
 def test_an_unwritable_cache_falls_back_or_raises(dist_run):
     import warnings
 

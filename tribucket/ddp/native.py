@@ -48,7 +48,7 @@ _build_log = None                          # its output (read if it fails)
 BUILD_COMMAND = [sys.executable, "-m", "tribucket.build", "--quiet"]
 
 
-def load(wait: bool = True):
+def load(wait: bool = True, quiet: bool = False):
     """The compiled extension, or None when it cannot be built (see
     :func:`unavailable_reason`).
 
@@ -56,7 +56,8 @@ def load(wait: bool = True):
     milliseconds), else None at once, with the build started in a background process
     (``python -m tribucket.build``, once per process; :func:`ready` tells when it is over).
     Processes sharing a machine build it once between them (a file lock): the other builds
-    wait for it and find the binary."""
+    wait for it and find the binary. ``quiet``: no warning when it cannot be built (the
+    caller raises instead of falling back to the Python hooks)."""
     global _module, _error, _building, _build_log
     if _module is not None or _error is not None:
         return _module
@@ -82,7 +83,7 @@ def load(wait: bool = True):
             try:
                 _module = _load_or_build(build_dir())
             except Exception as e:  # noqa: BLE001 - any build failure means "use Python"
-                _fail(e)
+                _fail(e, warn=not quiet)
     return _module
 
 
@@ -106,14 +107,15 @@ def ready() -> bool:
     return True
 
 
-def _fail(e: BaseException) -> None:
+def _fail(e: BaseException, warn: bool = True) -> None:
     global _error
     lines = str(e).strip().splitlines()
     _error = f"{type(e).__name__}: {lines[-1] if lines else ''}"
-    warnings.warn("tribucket: the native gradient hooks could not be built "
-                  f"({_error}); using the Python hooks (same results, more host "
-                  "time per gradient). Install a C++ compiler and `ninja`, or "
-                  "pass native_hooks=False to silence this.", RuntimeWarning, stacklevel=4)
+    if warn:
+        warnings.warn("tribucket: the native gradient hooks could not be built "
+                      f"({_error}); using the Python hooks (same results, more host "
+            "time per gradient). Install a C++ compiler and `ninja`, or "
+            "pass native_hooks=False to silence this.", RuntimeWarning, stacklevel=4)
 
 
 def build_dir() -> pathlib.Path:

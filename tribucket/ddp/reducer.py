@@ -142,7 +142,8 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         the hooks if they are built, else None and a build in the background (no rank waits
         for a compiler); ``True``: built now if needed."""
         wanted = self.config.native_hooks
-        return None if wanted is False else native.load(wait=wanted is True)
+        return None if wanted is False else native.load(wait=wanted is True,
+                                                        quiet=wanted is True)
 
     def _native_facts(self) -> dict:
         """With native_hooks=True, whether this rank could build them: compared across
