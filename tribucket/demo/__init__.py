@@ -33,7 +33,7 @@ from __future__ import annotations
 # The names tribucket.demo had as one module (tests, users and the console script import
 # them from here); __all__ stays what it was.
 from .cli import config_argv, main, parse_args, torchrun_command  # noqa: F401
-from .compare import LOSS_TOLERANCE, PARAM_TOLERANCE, _verdict, run_demo  # noqa: F401
+from .compare import LOSS_TOLERANCE, PARAM_TOLERANCE, TIE_TOLERANCE, _verdict, run_demo  # noqa: F401
 from .config import BACKENDS, HOOKS, DemoConfig  # noqa: F401
 from .model import (  # noqa: F401
     DEFAULT_TEXT,

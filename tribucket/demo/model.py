@@ -9,6 +9,8 @@ T tokens (B·S), E experts (global), K experts per token.
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import Sequence
 
@@ -215,6 +217,42 @@ class CharTransformer(nn.Module):
         return tuple(tuple(b.ffn.stats.tokens_per_expert) if isinstance(b.ffn, MoELayer)
                      else tuple(b.ffn.counts_E.tolist())
                      for b in self.blocks if hasattr(b.ffn, "aux_loss"))
+
+    def watch_routers(self) -> None:
+        """Keep each MoE layer's router logits (and routing bias) of the last forward, for
+        :meth:`routing_choices` (a forward hook per router; the logits are not copied)."""
+        self._taps: dict[int, tuple] = {}
+        for i, b in enumerate(self.blocks):
+            if hasattr(b.ffn, "aux_loss"):
+                b.ffn.router.register_forward_hook(
+                    lambda _m, _inp, out, i=i, ffn=b.ffn: self._taps.__setitem__(
+                        i, (out.detach(), ffn.expert_bias.clone()
+                            if ffn.bias_update_rate else None)))
+
+    @torch.no_grad()
+    def routing_choices(self) -> tuple:
+        """Per MoE layer, from the last forward (:meth:`watch_routers`): each token's chosen
+        experts (``[T, K]`` int16, ascending) and its top-k margin (``[T]`` fp32: the k-th
+        best selection score minus the (k+1)-th, the scores the layer's top-k compares: the
+        router's softmax or sigmoid scores, plus the routing bias when it balances). A
+        margin within rounding of 0 is a near-tie: the slightest difference in the weights
+        may swap the two experts."""
+        out = []
+        for i in sorted(self._taps):
+            logits_TE, bias_E = self._taps[i]
+            ffn = self.blocks[i].ffn
+            logits_TE = logits_TE.float()
+            scores_TE = (torch.softmax(logits_TE, dim=-1) if ffn.score_func == "softmax"
+                         else torch.sigmoid(logits_TE))
+            if bias_E is not None:
+                scores_TE = scores_TE + bias_E
+            k, E = ffn.top_k, scores_TE.shape[1]
+            top = torch.topk(scores_TE, min(k + 1, E), dim=-1)
+            ids_TK = top.indices[:, :k].sort(dim=-1).values.to(torch.int16)
+            margin_T = (top.values[:, k - 1] - top.values[:, k] if k < E
+                        else torch.full_like(top.values[:, 0], math.inf))
+            out.append((ids_TK.cpu(), margin_T.cpu()))
+        return tuple(out)
 
 
 def _seeded(seed: int, *path: int) -> None:

@@ -64,28 +64,54 @@ def format_table(result: dict) -> str:
                          "size the token exchange (5 all-to-alls per MoE layer) costs more than "
                          "the replicated experts' allreduce and optimizer work it saves")
     if "param_diff" in result:
-        d = result["param_diff"]
-        verdict = ("agree to fp32 tolerance" if result["agree"] else "DIFFER")
-        lines.append(f"max |param difference| tribucket vs DDP: {d['max_abs_diff']:.2e} (dense "
-                     f"{d['dense']:.2e}, experts {d['experts']:.2e}; tolerance "
-                     f"{result['tolerance']:.0e}): {verdict}")
-        n = result["routing_differs_from"]
-        lines.append(f"MoE routing (tokens per expert, every rank, layer and step): "
-                     f"{'identical' if n is None else f'differs from step {n} on'}")
-        verdict = result["verdict"]
-        if verdict == "hook":
-            lines.append(f"  (expected: the '{cfg['hook']}' hook changes the averaging; only "
-                         "--hook none computes DDP's result)")
-        elif verdict == "routing":
-            lines.append(f"  (expected: at step {n} a token's router probabilities for two "
-                         "experts were within fp32 rounding of each other\n   and the two runs "
-                         "broke the tie differently, so they trained on different routings "
-                         "from there;\n   before it their losses agreed to "
-                         f"{result['loss_diff_same_routing']:.1e} at every step)")
-        elif verdict == "bug":
-            lines.append(f"  (the losses differed by {result['loss_diff_same_routing']:.1e} while "
-                         "both runs routed alike: a bug; please report it with this output)")
+        lines += _comparison_lines(result)
     return "\n".join(lines)
+
+
+def _comparison_lines(result: dict) -> list[str]:
+    """The parameter and routing comparison, and the verdict in one line."""
+    cfg, d, verdict = result["config"], result["param_diff"], result["verdict"]
+    n = result["routing_differs_from"]
+    why = {"agree": "within", "hook": "beyond", "routing": "beyond", "bug": "beyond"}[verdict]
+    lines = [f"max |param difference| tribucket vs DDP: {d['max_abs_diff']:.2e} (dense "
+             f"{d['dense']:.2e}, experts {d['experts']:.2e}), {why} the fp32 tolerance "
+             f"{result['tolerance']:.0e}" + (f", after the routing parted at step {n} (below)"
+                                             if verdict == "routing" else "")]
+    lines.append("MoE routing (every token's experts, every rank, layer and step): "
+                 + ("identical" if n is None else
+                    f"identical for steps 1-{n - 1}, differs from step {n} on"
+                    if n > 1 else f"differs from step {n} on"))
+    margin = result.get("tie_margin")
+    if verdict == "hook":
+        lines.append(f"  (expected: the '{cfg['hook']}' hook changes the averaging; only "
+                     "--hook none computes DDP's result)")
+        lines.append("verdict: tribucket and DDP train alike up to the hook's compression "
+                     "(a lossy hook: no exact comparison)")
+    elif verdict == "routing":
+        moved = result.get("tokens_routed_differently", 0)
+        lines.append(
+            f"  at step {n}, {moved} token(s) went to other experts in the two runs; each one's "
+            f"k-th and (k+1)-th best experts were"
+            + (f" at most {margin:.1e} apart in the selection score (measured in both runs; a "
+               f"near-tie is within {result['tie_tolerance']:.0e})" if margin is not None
+               else " tied up to rounding")
+            + ",\n  so fp32 rounding, not a different computation, picked the expert; "
+            f"before step {n} the losses agreed to {result['loss_diff_same_routing']:.1e} at "
+            "every step,\n  after it the runs train on different routings and part "
+            "legitimately")
+        lines.append(f"verdict: tribucket and DDP agree (the same training up to a router "
+                     f"near-tie at step {n}, explained above)")
+    elif verdict == "bug":
+        reason = (f"the losses differed by {result['loss_diff_same_routing']:.1e} while both "
+                  "runs routed alike" if result["loss_diff_same_routing"] > result["loss_tolerance"]
+                  else f"the tokens routed differently at step {n} were {margin:.1e} from a "
+                  f"tie (more than {result['tie_tolerance']:.0e}: not rounding)"
+                  if n is not None else "the parameters differ while the routing is identical")
+        lines.append(f"verdict: MISMATCH: {reason}; a bug, please report it with this output")
+    else:
+        lines.append("verdict: tribucket and DDP agree (the same training: parameters within "
+                     "fp32 tolerance, identical routing)")
+    return lines
 
 
 def _write_outputs(result: dict) -> str:

@@ -35,6 +35,7 @@ class RunResult:
     val_loss: float = float("nan")
     state: dict = None             # final parameters (name -> tensor, on CPU)
     routing: list = None           # per step: CharTransformer.routing() (token counts)
+    choices: list = None           # per step: CharTransformer.routing_choices() (ids, margins)
 
 
 def _lr_at(cfg: DemoConfig, step: int) -> float:
@@ -75,7 +76,8 @@ def _train(cfg: DemoConfig, impl: str, data: CharData, device: torch.device,
     # rounded in the two runs) then moves its weight by ~g/eps·lr, not by a full ±lr step
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-6,
                             weight_decay=0.01)
-    res = RunResult(impl, [], [], [], routing=[])
+    model.watch_routers()
+    res = RunResult(impl, [], [], [], routing=[], choices=[])
     tokens = world * cfg.batch_size * cfg.seq_len
     bar = _progress_bar(cfg.steps, f"{impl:>9}", enabled=progress and rank == 0)
 
@@ -109,6 +111,7 @@ def _train(cfg: DemoConfig, impl: str, data: CharData, device: torch.device,
             comm = reducer.stats.comm_exposed_s if reducer is not None else float("nan")
             res.comm_exposed_s.append(comm)
             res.routing.append(model.routing())
+            res.choices.append(model.routing_choices())
             post = {"loss": f"{res.losses[-1]:.3f}", "tok/s": f"{tokens / dt:,.0f}"}
             if reducer is not None:
                 post["comm exposed"] = f"{comm * 1e3:.1f}ms"

@@ -362,15 +362,26 @@ class MoEDispatcher:
         """
         outs = [expert_output] if isinstance(expert_output, torch.Tensor) else list(expert_output)
         if meta.regroup:
-            W, L = self.world_size, self.num_local_experts
-            if len(outs) != L:
-                outs = list(torch.cat(outs).split(list(meta.tokens_per_expert)))
-            by_rank = [o.split([meta.recv_counts_host[w][l] for w in range(W)])
-                       for l, o in enumerate(outs)]
-            rows_RD = torch.cat([by_rank[l][w] for w in range(W) for l in range(L)])
+            by_rank = self._ungroup(outs, meta)
+            rows_RD = torch.cat([p for row in by_rank for p in row])
         else:
             rows_RD = outs[0] if len(outs) == 1 else torch.cat(outs)
         return all_to_all(rows_RD, meta.recv_splits, meta.send_splits, self.group)
+
+    def _ungroup(self, outs: list[torch.Tensor], meta: DispatchMeta) -> list[list[torch.Tensor]]:
+        """The experts' output rows as ``[w][l]`` pieces (views, no copy): what local expert
+        ``l`` computed for rank ``w``. ``outs``: one ``[R, D]`` tensor in (local expert,
+        source rank) order, or one tensor per local expert (or any split of the ``R`` rows
+        along expert boundaries, concatenated first)."""
+        W, L = self.world_size, self.num_local_experts
+        counts = meta.recv_counts_host
+        if len(outs) == 1:  # split once by (l, w): the caller's one concatenation is the copy
+            pieces = outs[0].split([counts[w][l] for l in range(L) for w in range(W)])
+            return [[pieces[l * W + w] for l in range(L)] for w in range(W)]
+        if len(outs) != L:
+            outs = list(torch.cat(outs).split(list(meta.tokens_per_expert)))
+        by_expert = [o.split([counts[w][l] for w in range(W)]) for l, o in enumerate(outs)]
+        return [[by_expert[l][w] for l in range(L)] for w in range(W)]
 
     def _exchange_back_flagged(self, outs: list[torch.Tensor] | None,
                                meta: DispatchMeta) -> torch.Tensor:
@@ -384,7 +395,7 @@ class MoEDispatcher:
         Raises a RuntimeError naming the ranks whose flag is set (after the exchange: no rank
         is left waiting in it).
         """
-        W, L, D = self.world_size, self.num_local_experts, meta.d_model
+        W, D = self.world_size, meta.d_model
         device, dtype = meta.dest_TK.device, meta.row_dtype
         if outs is None:  # this rank failed: zeros of the agreed sizes, every flag set
             send_BD = torch.zeros(meta.num_recv + W, D, dtype=dtype, device=device)
@@ -393,12 +404,8 @@ class MoEDispatcher:
         else:
             flag_1D = torch.zeros(1, D, dtype=dtype, device=device)
             outs = [o.to(dtype) for o in (outs if isinstance(outs, list) else [outs])]
-            if len(outs) != L:
-                outs = list(torch.cat(outs).split(list(meta.tokens_per_expert)))
-            by_rank = [o.split([meta.recv_counts_host[w][l] for w in range(W)])
-                       for l, o in enumerate(outs)]
-            send_BD = torch.cat([piece for w in range(W)
-                                 for piece in [by_rank[l][w] for l in range(L)] + [flag_1D]])
+            by_rank = self._ungroup(outs, meta)
+            send_BD = torch.cat([piece for w in range(W) for piece in by_rank[w] + [flag_1D]])
         back_BD = all_to_all(send_BD, [n + 1 for n in meta.recv_splits],
                              [n + 1 for n in meta.send_splits], self.group)
         flag_rows = list(itertools.accumulate(n + 1 for n in meta.send_splits))
