@@ -195,6 +195,12 @@ class Tracer:
         ``torch.futures.Future`` (a comm hook's), or a list of them (done when the last
         is). Call this right after the launch: a callback added to a future that is
         already complete runs at once, so a late call times the call, not the completion.
+
+        Measured on gloo (CPU, 2 ranks): the callback runs on gloo's worker thread within
+        0.1 ms of the end of gloo's own ``gloo:all_reduce`` profiler range; it needs the
+        GIL, so while the training thread runs pure Python it waits for it (torch ops
+        release the GIL); and it can run ~40 us after ``wait()`` has returned, hence
+        ``end(..., completes=rec)``.
         """
         t = _now()
         if len(self.events) >= self.max_events:
