@@ -12,9 +12,9 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo ">> installing $(TORCH_PIN) (CPU build) first, then tribucket[test,perf,conformance,integrations,ft]"
+	@echo ">> installing $(TORCH_PIN) (CPU build) first, then tribucket[test,perf,trace,conformance,integrations,ft]"
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,perf,conformance]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,perf,trace,conformance]'
 	@# the real-model suite's libraries, after torch; naming $(TORCH_PIN) again in the same
 	@# command makes pip keep it (a dependency asking for another torch fails the install)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[integrations]' $(TORCH_PIN)

@@ -1,0 +1,345 @@
+"""tribucket.trace: the Tracer driven as the reducer drives it, on 2 gloo ranks with real
+async allreduces, then the file, the profiler ranges, the CLI's table and PNG, and the off
+path (nothing recorded, nothing written)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import runpy
+import struct
+import sys
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import _dist
+from tribucket import trace
+from tribucket.trace import Tracer, make_tracer
+from tribucket.trace.__main__ import main as cli_main
+
+SIZES = (1000, 30000, 200000)  # float32 elements per bucket
+STEPS = 4
+
+
+# ------------------------------------------------------------------ the synthetic reducer
+def _backward_step(tr, step: int, grads: list, outs: list, delay_s: float = 0.02) -> None:
+    """One step as the reducer runs it: buckets become ready in order during backward (a
+    matmul stands for the compute), each is packed and launched at once; after backward
+    (and a pause that stands for the rest of backward: the collectives finish meanwhile)
+    each is waited for and unpacked. ``tr is None``: tracing off, one check per bucket."""
+    a = torch.randn(64, 64)
+    if tr is not None:
+        tr.next_step(step)
+        bw = tr.begin("backward")
+    inflight = []
+    for i, g in enumerate(grads):
+        if tr is not None:
+            tr.instant(f"bucket{i}.first_ready", args={"bucket": i})
+        for _ in range(3):
+            a = torch.tanh(a @ a)  # the bucket's gradients being computed
+        if tr is not None:
+            tr.instant(f"bucket{i}.last_ready", args={"bucket": i})
+            nbytes = g.numel() * g.element_size()
+            pk = tr.begin(f"bucket{i}.pack", args={"bucket": i, "bytes": nbytes})
+        buf = g * 0.5  # the pack (scale by 1/world fused in)
+        work = dist.all_reduce(buf, async_op=True)
+        coll = None
+        if tr is not None:
+            tr.end(pk)
+            coll = tr.collective(f"bucket{i}.allreduce", work, {"bucket": i, "bytes": nbytes})
+        inflight.append((i, buf, work, coll))
+    time.sleep(delay_s)
+    if tr is not None:
+        tr.end(bw)
+    for i, buf, work, coll in inflight:
+        if tr is not None:
+            w = tr.begin(f"bucket{i}.wait", args={"bucket": i})
+        work.wait()
+        if tr is not None:
+            tr.end(w, completes=coll)
+            u = tr.begin(f"bucket{i}.unpack", args={"bucket": i})
+        outs[i].copy_(buf)
+        if tr is not None:
+            tr.end(u)
+    if tr is not None:
+        with tr.span("epilogue"):
+            torch.stack([o.norm() for o in outs]).norm()
+
+
+class _Counting:
+    """Counts every call of the Tracer's methods (the off path must make none)."""
+
+    names = ("__init__", "begin", "end", "instant", "collective", "complete", "next_step",
+             "span", "close")
+
+    def __enter__(self):
+        self.calls, self.saved = defaultdict(int), {}
+        for n in self.names:
+            orig = getattr(Tracer, n)
+            self.saved[n] = orig
+
+            def wrapped(*a, _n=n, _orig=orig, **k):
+                self.calls[_n] += 1
+                return _orig(*a, **k)
+
+            setattr(Tracer, n, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for n, orig in self.saved.items():
+            setattr(Tracer, n, orig)
+
+
+def _run_ranks(on_dir: str, off_dir: str) -> dict:
+    torch.manual_seed(dist.get_rank())
+    grads = [torch.randn(n) for n in SIZES]
+    outs = [torch.empty(n) for n in SIZES]
+    out: dict = {"rank": dist.get_rank()}
+
+    # on: TRIBUCKET_TRACE=DIR, as a user turns it on
+    os.environ[trace.ENV] = on_dir
+    try:
+        tr = make_tracer(None)
+    finally:
+        del os.environ[trace.ENV]
+    assert isinstance(tr, Tracer)
+    for step in range(STEPS):
+        _backward_step(tr, step, grads, outs)
+    out["path"] = tr.close()
+
+    # the same spans in a torch.profiler trace taken around a traced step
+    tr = Tracer(None)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _backward_step(tr, 0, grads, outs)
+    tr.close()
+    out["profiled"] = sorted({e.name for e in prof.events()
+                              if e.name.startswith(("bucket", "backward", "epilogue"))})
+
+    # off: no TRIBUCKET_TRACE, no trace= -> no tracer; nothing called, nothing written
+    os.environ.pop(trace.ENV, None)
+    with _Counting() as c:
+        tr = make_tracer(None)
+        for step in range(2):
+            _backward_step(tr, step, grads, outs, delay_s=0.0)
+    out["off_tracer"] = tr
+    out["off_calls"] = dict(c.calls)
+    out["off_files"] = os.listdir(off_dir)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    on_dir = tmp_path_factory.mktemp("trace_on")
+    off_dir = tmp_path_factory.mktemp("trace_off")
+    results = _dist.run(_run_ranks, str(on_dir), str(off_dir), world_size=2, timeout=120)
+    return {"on_dir": on_dir, "off_dir": off_dir, "ranks": results}
+
+
+@pytest.fixture(scope="module")
+def loaded(run):
+    path = run["ranks"][0]["path"]
+    return path, trace.load(path)
+
+
+# ------------------------------------------------------------------ the file
+def test_one_file_per_run_with_every_rank(run, loaded):
+    path, tr = loaded
+    assert run["ranks"][1]["path"] is None, "only rank 0 writes"
+    assert os.listdir(run["on_dir"]) == [os.path.basename(path)], "one file per run"
+    assert re.fullmatch(r"trace-\d{8}-\d{6}-\d+\.json", os.path.basename(path))
+    xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in xs} == {0, 1}
+    names = {(e["pid"], e["args"]["name"]) for e in tr["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {(0, "rank 0"), (1, "rank 1")}
+    lanes = {e["args"]["name"] for e in tr["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert lanes == {"compute", "comm"}
+    for e in xs:  # well-formed (trace.load validated; checked here again, explicitly)
+        assert {"name", "ts", "dur", "pid", "tid"} <= e.keys(), e
+        assert e["dur"] >= 0, e
+    info = tr["otherData"]["tribucket"]
+    assert info["world_size"] == 2 and info["unfinished"] == {"0": 0, "1": 0}
+
+
+def test_spans_ordered_per_bucket(loaded):
+    _, tr = loaded
+    ev = defaultdict(dict)  # (pid, step, bucket) -> kind -> (start, end)
+    for e in tr["traceEvents"]:
+        m = re.fullmatch(r"bucket(\d+)\.(\w+)", e.get("name", ""))
+        if m and e["ph"] in ("X", "i"):
+            key = (e["pid"], e["args"]["step"], int(m.group(1)))
+            ev[key][m.group(2)] = (e["ts"], e["ts"] + e.get("dur", 0.0))
+            if m.group(2) in ("pack", "allreduce"):
+                assert e["args"]["bytes"] == SIZES[int(m.group(1))] * 4
+    assert {k[2] for k in ev} == set(range(len(SIZES))), "the trace's buckets are the layout's"
+    assert len(ev) == 2 * STEPS * len(SIZES)
+    done_before_wait = defaultdict(int)
+    for key, k in ev.items():
+        assert k.keys() == {"first_ready", "last_ready", "pack", "allreduce", "wait", "unpack"}
+        order = [k["first_ready"][0], k["last_ready"][0], k["pack"][0], k["pack"][1],
+                 k["allreduce"][0], k["allreduce"][1], k["wait"][1], k["unpack"][0]]
+        assert order == sorted(order), (key, k)
+        # the completion is the backend's, not the wait's: backward went on for 20 ms after
+        # the last launch, so the collectives finished before the reducer waited
+        if k["allreduce"][1] < k["wait"][0]:
+            done_before_wait[key[0]] += 1
+    assert done_before_wait[0] > 0 and done_before_wait[1] > 0, done_before_wait
+
+
+def test_ranks_aligned(loaded):
+    # both ranks leave each allreduce together: their ends are within a few ms of each other
+    _, tr = loaded
+    ends = defaultdict(list)
+    for e in tr["traceEvents"]:
+        if e.get("ph") == "X" and e["name"].endswith(".allreduce"):
+            ends[(e["args"]["step"], e["name"])].append(e["ts"] + e["dur"])
+    spread = sorted(max(v) - min(v) for v in ends.values() if len(v) == 2)
+    assert spread and spread[len(spread) // 2] < 20_000, spread  # us
+
+
+def test_profiler_shows_the_spans(run):
+    for r in run["ranks"]:
+        got = set(r["profiled"])
+        for i in range(len(SIZES)):
+            assert {f"bucket{i}.pack", f"bucket{i}.wait", f"bucket{i}.unpack",
+                    f"bucket{i}.allreduce"} <= got, got
+        assert {"backward", "epilogue"} <= got
+
+
+def test_off_records_nothing_and_writes_nothing(run):
+    for r in run["ranks"]:
+        assert r["off_tracer"] is None
+        assert r["off_calls"] == {}, r["off_calls"]
+        assert r["off_files"] == []
+
+
+# ------------------------------------------------------------------ the CLI
+def test_cli_table_and_png(loaded, tmp_path, capsys):
+    path, _ = loaded
+    png = tmp_path / "timeline.png"
+    assert cli_main([path, "--png", str(png)]) == 0
+    text = capsys.readouterr().out
+    rows = [ln.split() for ln in text.splitlines() if re.match(r"\s*\d+\s+\d", ln)]
+    assert [int(r[0]) for r in rows] == list(range(len(SIZES))), text
+    want = {0: "3.91 KiB", 1: "117.19 KiB", 2: "781.25 KiB"}
+    assert {int(r[0]): f"{r[1]} {r[2]}" for r in rows} == want, text
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    w, h = struct.unpack(">II", data[16:24])
+    assert w > 100 and h > 100
+
+
+def test_cli_module_exits_0_and_writes_png_next_to_trace(loaded, tmp_path, monkeypatch,
+                                                        capsys):
+    """``python -m tribucket.trace PATH`` (its __main__, run as -m runs it; in this process:
+    a fresh interpreter costs ~10 s of imports here)."""
+    path, _ = loaded
+    copy = tmp_path / "run.json"
+    copy.write_text(open(path).read())
+    monkeypatch.setattr(sys, "argv", ["tribucket.trace", str(copy), "--per-rank"])
+    monkeypatch.delitem(sys.modules, "tribucket.trace.__main__", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("tribucket.trace", run_name="__main__", alter_sys=True)
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "ready->launch" in out and "exposed" in out
+    rows = [ln for ln in out.splitlines() if re.match(r"\s*[01]\s+\d+\s+\d", ln)]
+    assert len(rows) == 2 * len(SIZES), out
+    png = tmp_path / "run.png"
+    assert png.stat().st_size > 0 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_rejects_a_malformed_trace(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"traceEvents": [{"ph": "X", "name": "x", "ts": 0, "pid": 0}]}))
+    assert cli_main([str(bad), "--no-png"]) == 2
+    assert "missing ['dur', 'tid']" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ one process
+def test_make_tracer_choices(tmp_path, monkeypatch):
+    monkeypatch.delenv(trace.ENV, raising=False)
+    assert make_tracer(None) is None and make_tracer(False) is None
+    monkeypatch.setenv(trace.ENV, str(tmp_path))
+    assert make_tracer(False) is None
+    t = make_tracer(None)
+    assert isinstance(t, Tracer) and t.path == str(tmp_path)
+    assert make_tracer(t) is t
+    assert make_tracer(True).path == str(tmp_path)
+    assert make_tracer(tmp_path / "x.json").path == str(tmp_path / "x.json")
+    with pytest.raises(TypeError, match="trace=3"):
+        make_tracer(3)
+
+
+def test_single_process_writes_the_given_file(tmp_path):
+    tr = Tracer(tmp_path / "sub" / "t.json", record_function=False)
+    assert trace.current() is tr
+    tr.instant("layout", args={"buckets": [8]})
+    with tr.span("epilogue"):
+        pass
+    tr.begin("never.ended")  # unfinished: counted, not written
+    assert tr.close() == str(tmp_path / "sub" / "t.json") and trace.current() is None
+    t = trace.load(tmp_path / "sub" / "t.json")
+    assert [e["name"] for e in t["traceEvents"] if e["ph"] in "Xi"] == ["layout", "epilogue"]
+    assert t["otherData"]["tribucket"]["unfinished"] == {"0": 1}
+
+
+def test_max_events_bounds_memory():
+    tr = Tracer(None, max_events=3, record_function=False)
+    for i in range(5):
+        tr.end(tr.begin(f"s{i}"))
+    assert len(tr.events) == 3 and tr.dropped == 2
+
+
+def test_backward_range_spans_the_region_in_backward():
+    tr = Tracer(None, record_function=False)
+    x = torch.randn(8, 4, requires_grad=True)
+    h = x * 2  # the region's input
+    y = torch.tanh(h @ torch.randn(4, 4))  # the region (say, the experts)
+    tr.backward_range("moe.experts.bwd", begin_at=y, end_at=h, args={"layer": "l0"})
+    t_fwd = time.perf_counter_ns()
+    y.sum().backward()
+    (rec,) = tr.events
+    assert rec[0] == "moe.experts.bwd" and rec[1] == trace.MOE
+    assert t_fwd < rec[2] <= rec[3]
+
+
+def test_device_spans_resolve_from_events():
+    """The CUDA path with a stand-in event (no GPU here): times come from elapsed_time to an
+    anchor recorded at close."""
+
+    class FakeEvent:
+        clock = [0.0]
+
+        def record(self, stream=None):
+            FakeEvent.clock[0] += 1.0  # each record 1 ms after the previous
+            self.t = FakeEvent.clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    tr = Tracer(None, record_function=False)
+    tr._event_factory = FakeEvent
+    rec = tr.device_begin("bucket0.pack", args={"bucket": 0})
+    tr.device_end(rec)  # 1 ms later on the device
+    (name, lane, t0, t1, args, step), = tr.export()["events"]
+    assert (name, lane, args) == ("bucket0.pack", trace.DEVICE, {"bucket": 0})
+    assert t1 - t0 == 1_000_000
+
+
+def test_validate_names_the_bad_event():
+    with pytest.raises(ValueError, match=r"event 1 \('b'\): dur=-1 < 0"):
+        trace.validate({"traceEvents": [
+            {"ph": "M", "name": "process_name", "pid": 0},
+            {"ph": "X", "name": "b", "ts": 0, "dur": -1, "pid": 0, "tid": 0}]})
+    with pytest.raises(ValueError, match="traceEvents"):
+        trace.validate([])
