@@ -360,8 +360,13 @@ def _bad_input_worker():
     W, rank = dist.get_world_size(), dist.get_rank()
     out = {}
     with _CountCollectives() as c:
-        out["indivisible"] = _error_of(lambda: MoELayer([nn.Linear(D, D)], 3, D))
+        # a local-expert count that does not match num_experts: named after the construction's
+        # agreement (one all-gather), so a rank whose count alone is wrong cannot leave its
+        # peers waiting in that all-gather
         out["mismatch"] = _error_of(lambda: MoELayer([nn.Linear(D, D)], 2 * W, D))
+        out["calls_in_mismatch"] = list(c.calls)
+    with _CountCollectives() as c:
+        out["indivisible"] = _error_of(lambda: MoELayer([nn.Linear(D, D)], 3, D))
         out["top_k"] = _error_of(lambda: MoELayer([nn.Linear(D, D)], W, D, top_k=W + 1))
         out["dispatcher"] = _error_of(lambda: MoEDispatcher(2 * W + 1))
         out["calls_before_layer"] = list(c.calls)
@@ -420,6 +425,7 @@ def test_bad_input_errors_before_collectives(dist_run):
         assert out["top_k"][0] == "ValueError" and "top_k=3" in out["top_k"][1], out["top_k"]
         assert out["dispatcher"][0] == "ValueError" and "num_experts=5" in out["dispatcher"][1]
         assert out["calls_before_layer"] == [], out["calls_before_layer"]
+        assert out["calls_in_mismatch"] == ["all_gather"], out["calls_in_mismatch"]
         assert out["x_dim"][0] == "ValueError" and "d_model=12" in out["x_dim"][1], out["x_dim"]
         # a bad x joins the counts exchange (flagged), so a rank with good input cannot hang
         assert out["calls_before_forward"] == ["all_to_all_single"], out["calls_before_forward"]

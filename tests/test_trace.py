@@ -343,3 +343,71 @@ def test_validate_names_the_bad_event():
             {"ph": "X", "name": "b", "ts": 0, "dur": -1, "pid": 0, "tid": 0}]})
     with pytest.raises(ValueError, match="traceEvents"):
         trace.validate([])
+
+
+# ---------------------------------------------------------------- the reducer and MoE, traced
+def _traced_training(path, moe):
+    """Three steps of the test MLP (or an MoE model) with the reducer traced to ``path``
+    (None: tracing off); the gradients of each step and what was traced."""
+    import tribucket
+    from models import batch, build, loss_of
+    from tribucket.moe import MoELayer
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    if moe:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), MoELayer(
+            [torch.nn.Linear(16, 16) for _ in range(2)], 4, 16, top_k=2, name="moe0"))
+    else:
+        model = build("mlp")
+    grads = []
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, trace=path) as reducer:
+        made = reducer._comm.tracer is not None
+        for step in range(3):
+            x = (torch.randn(8, 16, generator=torch.Generator().manual_seed(rank + 10 * step))
+                 if moe else batch("mlp", rank, step))
+            out = model(x)
+            (out.square().mean() if moe else loss_of(out)).backward()
+            grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+            model.zero_grad()
+        n_buckets = len(reducer._bw.buckets)
+        sizes = [b.wire_bytes() for b in reducer._bw.buckets]
+    return made, reducer.trace_path, n_buckets, sizes, grads
+
+
+@pytest.mark.dist
+def test_reducer_trace_matches_its_layout_and_changes_nothing(dist_run, tmp_path):
+    traced = dist_run(_traced_training, str(tmp_path), False, world_size=2)
+    plain = dist_run(_traced_training, False, False, world_size=2)
+    assert [r[1] is not None for r in traced] == [True, False]  # rank 0 writes the one file
+    assert os.listdir(tmp_path) == [os.path.basename(traced[0][1])]
+    for (_, _, _, _, g1), (made, path, _, _, g2) in zip(traced, plain):
+        assert not made and path is None  # off: no tracer, no file
+        assert all(torch.equal(a, b) for s1, s2 in zip(g1, g2) for a, b in zip(s1, s2))
+    doc = trace.load(traced[0][1])
+    trace.validate(doc)
+    made, _, n_buckets, sizes, _ = traced[0]
+    assert made
+    events = [e for e in doc["traceEvents"] if e.get("ph") in ("X", "i")]
+    last = max(e["args"]["step"] for e in events if e["name"] == "backward")
+    for pid in (0, 1):
+        mine = [e for e in events if e["pid"] == pid and e["args"].get("step") == last]
+        coll = {e["args"]["bucket"]: e for e in mine if e["name"].endswith(".allreduce")}
+        assert sorted(coll) == list(range(n_buckets))  # the trace's buckets: the layout's
+        assert [coll[b]["args"]["bytes"] for b in range(n_buckets)] == sizes
+        by = {e["name"]: e for e in mine}
+        for b in range(n_buckets):
+            ready = by[f"bucket{b}.last_ready"]["ts"]
+            pack = by[f"bucket{b}.pack"]
+            wait = by[f"bucket{b}.wait"]
+            c = coll[b]
+            assert ready <= pack["ts"] <= c["ts"] + 1  # (µs, rounded)
+            assert c["ts"] <= c["ts"] + c["dur"] <= wait["ts"] + wait["dur"] + 1
+            assert f"bucket{b}.unpack" in by
+
+
+@pytest.mark.dist
+def test_moe_phases_are_traced(dist_run, tmp_path):
+    path = dist_run(_traced_training, str(tmp_path), True, world_size=2)[0][1]
+    names = {e["name"] for e in trace.load(path)["traceEvents"] if e.get("ph") == "X"}
+    assert {"moe.counts", "moe.dispatch", "moe.combine", "backward"} <= names, names

@@ -105,6 +105,11 @@ class ReducerConfig:
     #: ``False`` (default) reads the gradients once per call, as torch's clip and
     #: GradScaler do, and sees every edit
     reuse_grad_figures: bool = False
+    #: write a per-bucket timeline (Chrome trace JSON, one file per run, rank 0 writes it at
+    #: close): a path (file or directory), ``True`` (``TRIBUCKET_TRACE`` or the current
+    #: directory), ``False``; ``None`` (default): on when ``TRIBUCKET_TRACE=DIR`` is set.
+    #: See docs/trace.md; ``python -m tribucket.trace FILE`` reads it
+    trace: Any = None
 
     def __post_init__(self) -> None:
         _positive_mb("bucket_cap_mb", self.bucket_cap_mb)

@@ -345,6 +345,8 @@ class ShardedOptimizer:
         """Step this rank's shards, then all-gather the parameters (one collective per
         bucket). Call on every rank."""
         self.wait_parameters()  # a step before the next forward: the last gathers are done
+        tr = self.reducer._comm.tracer
+        rec = tr.begin("optimizer.step") if tr is not None else None
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -363,6 +365,8 @@ class ShardedOptimizer:
         self.optim.step()
         optsteps.stepped(self.reducer._bw)  # (its optimizer holds shards: not matched)
         self._gather_parameters()
+        if rec is not None:
+            tr.end(rec)
         return loss
 
     def _gather_parameters(self) -> None:

@@ -193,6 +193,8 @@ class Backward:
         for bucket in self.buckets:
             bucket.reset()
         self.guard.mark_progress(p.iteration)
+        if self.comm.tracer is not None:
+            self.comm.tracer.next_step(p.iteration)
         work, self.join_work = self.join_work, None
         p.scale = (1.0 / self.join_flags.divisor(work, self.world_size, self.passes)
                    if self.comm.traits.prescale else 1.0)
@@ -217,6 +219,9 @@ class Backward:
         """``bucket``'s last gradient is in: launch it, and those after it that are
         complete, if every bucket before it is launched."""
         bucket.state = BucketState.READY
+        if self.comm.tracer is not None:
+            self.comm.tracer.instant(f"bucket{bucket.index}.last_ready",
+                                     args={"bucket": bucket.index})
         if bucket.index == p.next_bucket:
             self._advance(p)
 
@@ -250,6 +255,9 @@ class Backward:
                                  [b.mem for b in self.buckets], self.device,
                                  reuse=self.config.reuse_grad_figures)
         self.allocated = True
+        if self.comm.tracer is not None:
+            self.comm.tracer.instant("layout", args={"buckets": [
+                b.wire_bytes() if hasattr(b, "wire_bytes") else 0 for b in self.buckets]})
         self.stats.buckets = len(specs)
         # the buffers one iteration needs (one per bucket, in its wire dtype); a gradient
         # the user keeps across iterations holds on to an older buffer on top of this
@@ -317,15 +325,22 @@ class Backward:
         elif cfg.static_graph:
             global_used = self.static_used
         epi = self.epilogue
+        tr = self.comm.tracer
         for bucket, result in zip(self.buckets, results):
             stats = epi.fused_stats(bucket.index)
+            if tr is not None:
+                rec = tr.begin(f"bucket{bucket.index}.unpack", args={"bucket": bucket.index})
             if global_used is None:
                 filled = bucket.finish(result, bucket.targets_all, True, stats)
             else:
                 filled = bucket.finish(result, [global_used[i] for i in bucket.indices], False,
                                        stats)
+            if tr is not None:
+                tr.end(rec)
             epi.finished(bucket.index, stats if filled else None)
         done = time.perf_counter()
+        if tr is not None:
+            tr.complete("backward", int(p.t_start * 1e9), int(t_end * 1e9))
         st = self.stats
         st.iterations += 1
         st.backward_compute_s = t_end - p.t_start

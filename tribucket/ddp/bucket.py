@@ -59,6 +59,8 @@ class Comm:
     #: replaces the averaging allreduce (default, allreduce/fp16/bf16 hooks): called with
     #: the packed wire buffer, returns a Future of the averaged buffer (tribucket/ft.py)
     collective: Callable | None = None
+    #: the run's ``tribucket.trace.Tracer`` (None: tracing off, one check per bucket)
+    tracer: Any = None
 
 
 # ------------------------------------------------------------------ the per-gradient hook
@@ -170,10 +172,19 @@ class _SparseAllreduce:
         return self.work.result()[0]
 
 
+def _futures_of(handle):
+    """What a tracer times a bucket's collective by: its works or its hook's future."""
+    if isinstance(handle, _OwnAllreduce):
+        return list(handle.works)
+    if isinstance(handle, _HookResult):
+        return handle.future
+    return getattr(handle, "work", handle)
+
+
 # ------------------------------------------------------------------ buckets
 class _BucketBase:
     __slots__ = ("index", "spec", "params", "indices", "is_last", "state", "pending",
-                 "handle", "t_launch", "targets_all")
+                 "handle", "t_launch", "targets_all", "tracer", "trace_rec")
 
     def __init__(self, index: int, spec: Bucket, params: list[torch.Tensor], is_last: bool):
         self.index = index                   # position in reduction order
@@ -186,6 +197,8 @@ class _BucketBase:
         self.pending = len(params)           # parameters whose gradient is not yet counted
         self.handle = None                   # the in-flight handle, wait() -> Tensor
         self.t_launch = 0.0                  # launch time (debug timings, logging_data)
+        self.tracer = None                   # the tracer of its last launch (None: off)
+        self.trace_rec = None                # its collective's trace record
 
     def describe(self) -> str:
         return f"bucket {self.index} ({len(self.indices)} tensors, {self.spec.numel} elements)"
@@ -199,7 +212,13 @@ class _BucketBase:
     def wait(self) -> torch.Tensor:
         """Wait for the in-flight communication; the reduced bucket."""
         assert self.state == BucketState.LAUNCHED, (self.index, self.state)
-        result = self.handle.wait()
+        tr = self.tracer
+        if tr is None:
+            result = self.handle.wait()
+        else:
+            rec = tr.begin(f"bucket{self.index}.wait", args={"bucket": self.index})
+            result = self.handle.wait()
+            tr.end(rec, completes=self.trace_rec)
         self.state = BucketState.DONE
         return result
 
@@ -296,11 +315,25 @@ class DenseBucket(_BucketBase):
         an output the loss left out under ``find_unused_parameters`` keeps its earlier
         gradient, and a rank that did not use a parameter another rank used contributes
         what it accumulated. ``zeros``: a Join shadow pass, the whole bucket is zeros."""
+        tr = self.tracer = comm.tracer
+        if tr is not None:
+            rec = tr.begin(f"bucket{self.index}.pack", args={"bucket": self.index,
+                                                             "bytes": self.wire_bytes()})
         if zeros:
             buf = self.mem.zeros()
         else:
             buf = self.mem.pack(list(map(_grad_of, self.params)), p.scale)
+        if tr is not None:
+            tr.end(rec)
         self.communicate(p, comm, buf)
+        if tr is not None:
+            self.trace_rec = tr.collective(
+                f"bucket{self.index}.allreduce", _futures_of(self.handle),
+                {"bucket": self.index, "bytes": self.wire_bytes()})
+
+    def wire_bytes(self) -> int:
+        """The bucket's size on the wire (elements x the wire dtype's size)."""
+        return self.spec.numel * self.mem.dtype.itemsize
 
     # ---------------------------------------------------------------- communicate
     def communicate(self, p: Pass, comm: Comm, buf: torch.Tensor) -> None:
@@ -311,7 +344,7 @@ class DenseBucket(_BucketBase):
         if comm.collective is not None and comm.traits.chunkable:  # e.g. a torchft Manager
             p.bytes += buf.numel() * buf.element_size()
             self.handle = _HookResult(comm.collective(buf), comm.hook, self.spec, self.index,
-                                      comm.guard, self.describe())
+                                      comm.guard, self.describe(), p.iteration)
             return
         if comm.traits.chunkable:  # an averaging allreduce the reducer sends itself
             while self.chunk_next < len(self.chunks):

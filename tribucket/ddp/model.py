@@ -114,6 +114,11 @@ def _options_of(config: Any) -> dict:
         if f.name == "ignore_parameters":
             continue  # their effect (which parameters are averaged) is compared below
         value = getattr(config, f.name)
+        if f.name == "trace":  # on or off (its close gathers to rank 0), not where it goes
+            import os
+
+            from ..trace import ENV
+            value = bool(os.environ.get(ENV)) if value is None else value is not False
         out[f.name] = value.total_seconds() if hasattr(value, "total_seconds") else value
     return out
 

@@ -26,6 +26,7 @@ from ..comm import broadcast_coalesced
 from ..config import ReducerConfig
 from ..hooks import _hook_traits
 from ..layout import BucketLayout
+from ..trace import make_tracer
 from . import native, optsteps, resume
 from .backward import Backward
 from .bucket import Comm
@@ -108,6 +109,9 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         # how buckets are communicated (register_comm_hook may replace the hook)
         self._comm = Comm(self._guard, None, None, _hook_traits(None, None), self._guard.group,
                           self.world_size)
+        self.trace_path: str | None = None  # the trace file written at close (rank 0)
+        #: the timeline (``trace=`` / ``TRIBUCKET_TRACE``); None: off
+        self._comm.tracer = make_tracer(config.trace, group=self._guard.group)
         self._join_flags = JoinFlags(self.process_group, self._device, self.rank, self._guard)
         # the backward passes: buckets, their order, the end of backward
         self._bw = Backward(config, self._params, self._names, view.expect_sparse,
@@ -406,7 +410,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
     def __exit__(self, exc_type, *exc) -> None:
         self._close(raise_errors=exc_type is None)  # never mask the body's own exception
 
-    def _close(self, raise_errors: bool) -> None:
+    def _close(self, raise_errors: bool, at_exit: bool = False) -> None:
         if self._bw.closed:
             return
         self._bw.closed = True
@@ -427,6 +431,10 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         e = self._bw.finish_in_flight()  # so no peer is left waiting
         for r in self.expert_reducers:
             r._close(raise_errors)
+        tracer, self._comm.tracer = self._comm.tracer, None
+        if tracer is not None and e is None and not self._guard.failed and not at_exit:
+            #: the trace file rank 0 wrote (every rank's events; None elsewhere)
+            self.trace_path = tracer.close()  # a gather to rank 0: every rank closes
         self._release()
         if e is None:
             return
@@ -438,7 +446,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
 
     def _settle_at_exit(self) -> None:
         """Interpreter exit (``tribucket._exit``): detach if still attached; drop the works."""
-        self._close(raise_errors=False)
+        self._close(raise_errors=False, at_exit=True)  # (no trace gather: peers may be gone)
         self._release()
 
     def _release(self) -> None:

@@ -179,6 +179,9 @@ def _worker(cfg: DemoConfig) -> int:
             print(format_table(result))
             if result["out_dir"]:
                 print(f"\nloss curves, step times (PNG + JSON): {result['out_dir']}/")
+                if os.path.exists(os.path.join(result["out_dir"], "trace.json")):
+                    print(f"tribucket's per-bucket timeline: {result['out_dir']}/timeline.png "
+                          f"(python -m tribucket.trace {result['out_dir']}/trace.json)")
             print(f"{'both runs' if cfg.compare else 'training'}: {result['wall_s']:.1f} s")
         # rank 0 alone reports a mismatch that is a bug in its exit code: a rank that
         # exits non-zero makes torchrun stop the others, and rank 0 must print first

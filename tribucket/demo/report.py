@@ -139,12 +139,34 @@ def _write_outputs(result: dict) -> str:
                     for n in names})
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "table.txt").write_text(format_table(result) + "\n")
+    _move_trace(base, out)
     try:
         _plot(result, names, out)
     except ImportError:
         print("matplotlib is not installed: wrote the JSON figures only "
               "(pip install 'tribucket[perf]' for the PNGs)", file=sys.stderr)
     return str(out)
+
+
+def _move_trace(base: Path, out: Path) -> None:
+    """The tribucket run's per-bucket trace into ``out/trace.json``, with its table
+    (``trace_table.txt``) and its picture (``timeline.png``: the last three steps)."""
+    from .train import trace_file
+
+    src = base / trace_file()
+    if not src.exists():
+        return
+    src.replace(out / "trace.json")
+    from ..trace import load
+    from ..trace.report import format_table as trace_table
+    from ..trace.report import plot_timeline, summarize
+
+    doc = load(out / "trace.json")
+    (out / "trace_table.txt").write_text(trace_table(summarize(doc)) + "\n")
+    try:
+        plot_timeline(doc, str(out / "timeline.png"), steps=3)
+    except ImportError:
+        pass
 
 
 def _plot(result: dict, names: list, out: Path) -> None:

@@ -67,6 +67,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def trace_file() -> str:
+    """The tribucket run's trace, in ``out_dir`` until the report moves it (one name per
+    launch: the rendezvous port)."""
+    return f".trace-{os.environ.get('MASTER_PORT', 'local')}.json"
+
+
 def _train(cfg: DemoConfig, impl: str, data: CharData, device: torch.device,
            progress: bool) -> RunResult:
     """Train one model from scratch; ``impl`` is "tribucket" or "ddp"."""
@@ -85,7 +91,10 @@ def _train(cfg: DemoConfig, impl: str, data: CharData, device: torch.device,
         stack.callback(bar.close)
         reducer = None
         if impl == "tribucket":
-            reducer = stack.enter_context(fused_bucketing(model))
+            # the per-bucket timeline of this run (rank 0 writes it when the reducer closes;
+            # the report moves it into runs/<timestamp>/ with its picture)
+            trace = os.path.join(cfg.out_dir, trace_file()) if cfg.out_dir else False
+            reducer = stack.enter_context(fused_bucketing(model, trace=trace))
             _register_hook(reducer, cfg)
             forward: Callable = model
         else:

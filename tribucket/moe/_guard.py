@@ -21,6 +21,8 @@ import itertools
 import torch.distributed as dist
 
 from ..comm import set_failure_handler
+from ..trace import MOE
+from ..trace import current as _trace_current
 
 __all__ = ["MoEGuard", "PHASES"]
 
@@ -49,6 +51,7 @@ class MoEGuard:
         self.group = group
         self.forwards = 0       # forwards begun by this layer (the same count on every rank)
         self.phase = None       # the phase of the last mark
+        self._trace = self._trace_rec = None  # the open span of the phase (tracing on)
         self._store = None
         self._ranks = list(range(world))
         if world > 1 and dist.is_initialized():
@@ -73,8 +76,17 @@ class MoEGuard:
         return f"tribucket/moe/{self.seq}/{global_rank}"
 
     def mark(self, phase: str) -> None:
-        """This rank enters ``phase`` (of forward ``self.forwards``)."""
+        """This rank enters ``phase`` (of forward ``self.forwards``); with a tracer open
+        (``tribucket.trace``), the previous phase's span ends and ``moe.<phase>`` begins."""
         self.phase = phase
+        tr = _trace_current()
+        if tr is not None or self._trace_rec is not None:
+            self.end_phase()
+            if tr is not None and phase == "backward":  # (its end is not marked: an instant)
+                tr.instant("moe.backward", MOE, {"layer": self.name})
+            elif tr is not None:
+                self._trace = tr
+                self._trace_rec = tr.begin(f"moe.{phase}", MOE, {"layer": self.name})
         _CURRENT[id(self.group)] = self
         if self._store is not None:
             try:
@@ -82,6 +94,12 @@ class MoEGuard:
                                 f"{self.forwards}:{PHASES.index(phase)}")
             except Exception:  # the store is gone (rank 0 died): the diagnosis says so
                 pass
+
+    def end_phase(self) -> None:
+        """End the traced span of the current phase (the end of forward, or the next)."""
+        rec, self._trace_rec = self._trace_rec, None
+        if rec is not None:
+            self._trace.end(rec)
 
     def backward_mark(self, grad):
         """Tensor hook on the layer's output: its backward (the reverse exchanges) begins."""

@@ -389,6 +389,8 @@ class MoELayer(nn.Module):
             if failure is None:
                 raise
             raise failure from e
+        finally:
+            guard.end_phase()  # (tracing: the last phase's span)
         if y.requires_grad and self.dispatcher.world_size > 1 and self._gathered is None:
             y.register_hook(guard.backward_mark)
         return y

@@ -51,9 +51,11 @@ name                       lane       what, and its args
 
 MoE layer, per forward (``args = {layer}``, the layer's name):
 
-``moe.counts``, ``moe.dispatch``, ``moe.experts``, ``moe.combine`` (lane ``moe``), and in
-backward ``moe.combine.bwd``, ``moe.experts.bwd``, ``moe.dispatch.bwd`` (lane ``moe``,
-recorded with :meth:`Tracer.backward_range`).
+``moe.counts`` (routing and the counts exchange), ``moe.dispatch`` (the token exchange and
+the experts, with the shared experts beside it), ``moe.combine`` (the return exchange and
+the weighted sum), spans on lane ``moe``; ``moe.backward``: an instant where the layer's
+backward begins. (Finer names, ``moe.experts`` or the backward's phases recorded with
+:meth:`Tracer.backward_range`, are allowed.)
 
 Order guaranteed per bucket and step (what the tests check and the table relies on):
 ``first_ready <= last_ready <= pack <= allreduce start <= allreduce end <= wait end``.
