@@ -601,3 +601,27 @@ def test_a_hook_that_raised_on_this_rank_is_named_as_such(dist_run):
     theirs = results[0]  # rank 0 times out, naming rank 1 and the cause it reported
     assert theirs is not None and "rank 1" in theirs, theirs
     assert "decompression failed" in theirs, theirs  # its own report, left in the store
+
+
+def _late_for_a_buffer_broadcast(timeout_s=2.0):
+    """Rank 1 is late for its third forward (BatchNorm buffers: each forward broadcasts)."""
+    import time
+
+    rank = dist.get_rank()
+    model = build("bn")
+    try:
+        with tribucket.fused_bucketing(model, timeout=datetime.timedelta(seconds=timeout_s)):
+            for step in range(3):
+                if rank == 1 and step == 2:
+                    time.sleep(timeout_s * 3)
+                loss_of(model(batch("bn", rank, step))).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_buffer_broadcast_timeout_names_the_rank(dist_run):
+    message = dist_run(_late_for_a_buffer_broadcast, world_size=2, timeout=60,
+                       teardown=True)[0]
+    assert message is not None and "buffer" in message and "rank 1" in message, message
+    assert "timed out" in message.lower(), message

@@ -83,7 +83,11 @@ class Forward:
         # or that backward fails on this rank (two forwards, then one backward through
         # both). As DDP: the values a backward reads of a running statistic do not matter.
         with torch.autograd._unsafe_preserve_version_counter(buffers):
-            broadcast_coalesced(buffers, src=src, group=self.guard.group_arg())
+            # a failure or timeout names the rank behind, as the reducer's other collectives
+            self.guard.call(lambda: broadcast_coalesced(buffers, src=src,
+                                                        group=self.guard.group_arg()),
+                            f"the broadcast of rank {src}'s buffers before the forward",
+                            self.bw.passes + 1)
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
