@@ -625,3 +625,31 @@ def test_buffer_broadcast_timeout_names_the_rank(dist_run):
                        teardown=True)[0]
     assert message is not None and "buffer" in message and "rank 1" in message, message
     assert "timed out" in message.lower(), message
+
+
+def _load_rank0_powersgd_then_train(path):
+    """Rank 1's load_state_dict refuses rank 0's PowerSGD state; rank 0 loaded its own and
+    goes on to its first backward, which must name rank 1's error."""
+    rank = dist.get_rank()
+    model = build("mlp")
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
+                                   timeout=datetime.timedelta(seconds=2)) as reducer:
+        state, hook = _hook_for("powersgd")
+        reducer.register_comm_hook(state, hook)
+        saved = torch.load(f"{path}.3.0", weights_only=False)
+        try:
+            reducer.load_state_dict(saved["reducer"])
+            loss_of(model(batch("mlp", rank, 0))).backward()
+        except (ValueError, RuntimeError) as e:
+            return str(e)
+        return None
+
+
+def test_a_peer_that_refused_the_state_is_named_on_the_others(dist_run):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        dist_run(_train_resumable, "powersgd", 3, 0, path, 3, world_size=2)
+        results = dist_run(_load_rank0_powersgd_then_train, path, world_size=2, timeout=60,
+                           teardown=True)
+    assert "saved by rank 0 of 2" in results[1], results[1]
+    assert "rank 1" in results[0] and "saved by rank 0" in results[0], results[0]

@@ -378,10 +378,16 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
             raise RuntimeError("load_state_dict must be called before the first backward pass "
                                "(on every rank), right after entering fused_bucketing and "
                                "registering the comm hook")
-        expert_states = resume.expert_states(state, len(self.expert_reducers), self.rank)
-        layout, progress = resume.read_state_dict(
-            state, self._names, self._params, self._comm.hook, self._comm.hook_state,
-            self.rank, self.world_size)
+        try:
+            expert_states = resume.expert_states(state, len(self.expert_reducers), self.rank)
+            layout, progress = resume.read_state_dict(
+                state, self._names, self._params, self._comm.hook, self._comm.hook_state,
+                self.rank, self.world_size)
+        except Exception as e:
+            # the peers that loaded theirs wait for this rank in their first backward: the
+            # error they report at timeout= names this rank and this cause
+            self._guard.report_own_failure(f"load_state_dict raised {type(e).__name__}: {e}")
+            raise
         if bw.shards is not None and layout.bucket_indices() != bw.layout.bucket_indices():
             raise ValueError("this reducer state has another bucket layout than this "
                              "shard_optimizer=True reducer, whose sharded optimizer lives on "
