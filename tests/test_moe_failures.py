@@ -205,3 +205,28 @@ def test_local_expert_counts_that_differ_are_named_on_every_rank(dist_run):
                                         teardown=True)):
         assert msg is not None and "local experts" in msg, (rank, msg)
         assert "2 on rank 0" in msg and "1 on rank 1" in msg, (rank, msg)
+
+
+def _gathered_on_one_rank(timeout_s=1.5):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layer = MoELayer([nn.Linear(D, D)], 2, D, top_k=1, name="block1.moe",
+                     timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        if rank == 0:
+            with gathered_experts(layer):
+                pass
+        else:
+            with torch.no_grad():
+                layer(torch.randn(5, D))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.dist
+def test_gathered_experts_entered_on_one_rank_is_named(dist_run):
+    results = dist_run(_gathered_on_one_rank, world_size=2, timeout=60, teardown=True)
+    for rank, msg in enumerate(results):
+        assert msg is not None and "gathered_experts" in msg, (rank, msg)
+        assert "block1.moe" in msg and "rank" in msg, (rank, msg)

@@ -26,7 +26,7 @@ from ..trace import current as _trace_current
 
 __all__ = ["MoEGuard", "PHASES"]
 
-PHASES = ("counts", "dispatch", "combine", "backward")
+PHASES = ("counts", "dispatch", "combine", "backward", "gather")  # gather: gathered_experts
 
 # layers are built in the same order on every rank, so this numbers them consistently
 _LAYER_SEQ = itertools.count()
@@ -125,7 +125,17 @@ class MoEGuard:
                 key = self._key(g)
                 seen = self._store.get(key).decode() if self._store.check([key]) else None
                 where = tuple(map(int, seen.split(":"))) if seen else None
-                if where is None or where < me:
+                if self.phase == "gather":  # a peer not in the gather is the one missing
+                    if where is None or PHASES[where[1]] != "gather":
+                        last = ("never entered this layer" if where is None else
+                                f"in forward {where[0]}, {PHASES[where[1]]} phase")
+                        behind.append(f"rank {r} (global rank {g}; not in gathered_experts: "
+                                      f"{last})")
+                elif where is not None and PHASES[where[1]] == "gather":
+                    behind.append(f"rank {r} (global rank {g}; inside "
+                                  "tribucket.moe.gathered_experts, which every rank of the "
+                                  "group must enter together)")
+                elif where is None or where < me:
                     last = ("never entered this layer" if where is None else
                             f"last in forward {where[0]}, {PHASES[where[1]]} phase")
                     behind.append(f"rank {r} (global rank {g}; {last})")
@@ -134,7 +144,11 @@ class MoEGuard:
         if not behind:
             return " Every rank reached this phase: a rank failed inside it."
         hint = ""
-        if self.phase == "counts":
+        if self.phase == "gather":
+            hint = (" Entering tribucket.moe.gathered_experts is a collective (an all-gather of "
+                    "the experts): enter it on every rank of the group, then evaluate on the "
+                    "ranks you want inside it.")
+        elif self.phase == "counts":
             hint = (" If those ranks skipped this forward on purpose (evaluating on some ranks "
                     "only), evaluate inside `with tribucket.moe.gathered_experts(model):`, "
                     "entered on every rank.")

@@ -498,6 +498,18 @@ class MoELayer(nn.Module):
         local = self.local_experts
         if W == 1:
             return local
+        self._guard.mark("gather")  # progress mark: a peer waiting for this rank names it
+        try:
+            return self._gather_experts(local, W, L)
+        except Exception as e:  # a failed collective: name the layer, the phase, the rank
+            failure = self._guard.failure_of(e)
+            if failure is None:
+                raise
+            raise failure from e
+        finally:
+            self._guard.end_phase()
+
+    def _gather_experts(self, local: list[nn.Module], W: int, L: int) -> list[nn.Module]:
         group = self._guard.group
         device = next(itertools.chain(self.router.parameters(), self.experts.parameters())).device
         states = [e.state_dict() for e in local]
