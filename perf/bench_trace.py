@@ -13,11 +13,8 @@ buckets, median of rounds, ns per bucket:
 
 Part ``step`` (2 gloo ranks, one intra-op thread each): ``bench_step``'s models trained by
 ``tribucket.Reducer`` with its defaults, untraced and traced, interleaved one step each
-per round; the figure is the median of rank 0's step times. Until the reducer records
-through the Tracer itself, this part installs a stand-in of that wiring (the calls
-``tribucket/trace``'s module docstring lists, made around ``Backward._first_gradient``,
-``_finalize``, ``DenseBucket.launch``/``finish`` and the bucket's ``wait``), which checks one
-global per call site when untraced: so ``untraced`` here already pays the off path.
+per round (``trace=False`` and ``trace=DIR``); the figure is the median of rank 0's step
+times.
 
     python perf/bench_trace.py                 # writes perf/results/trace.{json,md,png}
     python perf/bench_trace.py --rounds 20 --models mlp --no-save
@@ -32,6 +29,7 @@ import pathlib
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -106,100 +104,36 @@ def api(n: int = 5000, rounds: int = 11) -> dict:
 
 
 # ------------------------------------------------------------------ step
-_ACTIVE: list = [None]  # the tracer of the traced variant's step in progress, else None
-
-
-def _install_stand_in_wiring() -> None:
-    """Record the contract's spans around the reducer's methods (class-level wrappers)."""
-    from tribucket.ddp import backward as bw_mod
-    from tribucket.ddp import bucket as b_mod
-
-    Backward, Dense, Base = bw_mod.Backward, b_mod.DenseBucket, b_mod._BucketBase
-    first, fin = Backward._first_gradient, Backward._finalize
-    launch, finish, wait = Dense.launch, Dense.finish, Base.wait
-    colls: dict = {}
-
-    def _first_gradient(self, p):
-        tr = _ACTIVE[0]
-        if tr is not None:
-            tr.next_step(p.iteration)
-        return first(self, p)
-
-    def _finalize(self):
-        tr = _ACTIVE[0]
-        if tr is not None and self.pass_ is not None and self.pass_.sync:
-            tr.complete("backward", int(self.pass_.t_start * 1e9), time.perf_counter_ns())
-        return fin(self)
-
-    def _launch(self, p, comm, zeros=False):
-        tr = _ACTIVE[0]
-        if tr is None:
-            return launch(self, p, comm, zeros)
-        i = self.index
-        tr.instant(f"bucket{i}.last_ready", args={"bucket": i})
-        nbytes = self.spec.numel * self.mem.active.element_size()
-        args = {"bucket": i, "bytes": nbytes}
-        pk = tr.begin(f"bucket{i}.pack", args=args)
-        launch(self, p, comm, zeros)
-        tr.end(pk)
-        h = self.handle
-        colls[i] = tr.collective(f"bucket{i}.allreduce",
-                                 h.works if hasattr(h, "works") else h.future, args)
-
-    def _wait(self):
-        tr = _ACTIVE[0]
-        if tr is None:
-            return wait(self)
-        w = tr.begin(f"bucket{self.index}.wait", args={"bucket": self.index})
-        out = wait(self)
-        tr.end(w, completes=colls.pop(self.index, None))
-        return out
-
-    def _finish(self, result, targets, all_targets=False, stats=None):
-        tr = _ACTIVE[0]
-        if tr is None:
-            return finish(self, result, targets, all_targets, stats)
-        u = tr.begin(f"bucket{self.index}.unpack", args={"bucket": self.index})
-        out = finish(self, result, targets, all_targets, stats)
-        tr.end(u)
-        return out
-
-    Backward._first_gradient, Backward._finalize = _first_gradient, _finalize
-    Dense.launch, Dense.finish, Base.wait = _launch, _finish, _wait
-
-
 def _step_worker(rank: int, world: int, port: int, model_name: str, rounds: int, warmup: int,
                  out_path: str, trace_dir: str) -> None:
     init_worker(rank, world, port)
     import tribucket
 
-    _install_stand_in_wiring()
     runs = {}
     for name in ("untraced", "traced"):
         m, x = make_model(model_name)
-        runs[name] = (m, x, torch.optim.SGD(m.parameters(), lr=1e-4), tribucket.Reducer(m))
-    tr = Tracer(trace_dir or None)
+        trace = (trace_dir or tempfile.mkdtemp()) if name == "traced" else False
+        runs[name] = (m, x, torch.optim.SGD(m.parameters(), lr=1e-4),
+                      tribucket.Reducer(m, trace=trace))
     times: dict = {k: [] for k in runs}
     for it in range(warmup + rounds):
         for name, (m, x, opt, _) in runs.items():
             dist.barrier()
-            _ACTIVE[0] = tr if name == "traced" else None
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             m(x).square().mean().backward()
             opt.step()
             dt = time.perf_counter() - t0
-            _ACTIVE[0] = None
             if it >= warmup:
                 times[name].append(dt)
-    path = tr.close()
+    buckets = runs["traced"][3].stats.buckets
+    close_worker(r for *_, r in runs.values())  # (the traced reducer writes its file)
     if rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
         with open(out_path, "w") as f:
             json.dump({"model": model_name, "median_s": med, "all_s": times,
-                       "ratio": med["traced"] / med["untraced"], "trace": path,
-                       "buckets": runs["traced"][3].stats.buckets}, f)
-    close_worker(r for *_, r in runs.values())
+                       "ratio": med["traced"] / med["untraced"],
+                       "trace": runs["traced"][3].trace_path, "buckets": buckets}, f)
 
 
 # ------------------------------------------------------------------ report
