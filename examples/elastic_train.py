@@ -17,8 +17,9 @@ model equals an uninterrupted run's bit for bit (gloo on CPU)::
 
 What is saved, with ``torch.distributed.checkpoint`` (DCP) into ``<ckpt-dir>/step_<n>``:
 the model, the optimizer (momentum) and the reducer's ``state_dict()`` (its bucket layout,
-iteration count and comm-hook state: without it the resumed reducer would rebuild its
-buckets in another order, and sums in another order are not bit-identical). DCP writes
+iteration count and comm-hook state: a stateful hook such as PowerSGD needs its error
+feedback back to resume exactly; with the default hook here the averages do not depend on
+it, and loading it keeps the resumed reducer's layout and counters the run's). DCP writes
 ``.metadata`` last, once every rank has written its part, so a directory without it is a
 checkpoint the crash interrupted and is skipped.
 
