@@ -21,8 +21,17 @@ groups of one process each (gloo, one intra-op thread), one Lighthouse, in one r
     and, for the restarted replica group, from its launch to its first committed step and
     from its manager being up (imports and start-up excluded) to that step.
 
+    The baseline without torchft: ``examples/elastic_train.py`` (the same MLP, optimizer and
+    batches) under ``torchrun --nproc-per-node 2 --max-restarts 1``, a checkpoint
+    (``torch.distributed.checkpoint``: model, optimizer, reducer state) every
+    ``--ckpt-every`` steps; rank 1 is SIGKILLed in its backward at step ``--kill-at``, the
+    whole job restarts and resumes from the last checkpoint. The figures: the time from the
+    kill to the restarted job's first step, to it being back at the step of the kill, the
+    steps lost (done again), and the time a checkpoint takes.
+
     python perf/bench_ft.py                    # (a) on the MLP -> perf/results/ft.{json,md,png}
     python perf/bench_ft.py --failure          # (a) and (b)
+    python perf/bench_ft.py --failure-only     # (b); (a) kept from perf/results/ft.json
     python perf/bench_ft.py --model transformer --rounds 20
 """
 
@@ -195,6 +204,54 @@ def failure_times(impl: str, heartbeat_ms: int) -> dict:
             "recovered_equal_bit_for_bit": equal}
 
 
+def elastic_times(steps: int, every: int, kill_at: int) -> dict:
+    """The torchrun --max-restarts + checkpoint recipe: kill rank 1 at ``kill_at``."""
+    import shutil
+    import signal
+    import subprocess
+
+    script = HERE.parent / "examples" / "elastic_train.py"
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    torchrun = torchrun if os.path.exists(torchrun) else shutil.which("torchrun")
+    with tempfile.TemporaryDirectory() as tmp:
+        events = os.path.join(tmp, "events.jsonl")
+        env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                   PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        with open(os.path.join(tmp, "out"), "w") as out:
+            proc = subprocess.Popen(
+                [torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                 str(script), "--ckpt-dir", os.path.join(tmp, "ckpt"), "--steps", str(steps),
+                 "--ckpt-every", str(every), "--kill-at", str(kill_at), "--events", events],
+                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc = proc.wait(600)
+            except subprocess.TimeoutExpired:
+                rc = None
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(10)
+        if rc != 0:
+            with open(os.path.join(tmp, "out")) as f:
+                raise RuntimeError(f"the torchrun job ended with {rc}:\n{f.read()[-3000:]}")
+        with open(events) as f:
+            recs = [json.loads(line) for line in f]
+    kill = next(r for r in recs if r["event"] == "kill")
+    second = [r for r in recs if r["attempt"] == 1]
+    start = min(r["t"] for r in second if r["event"] == "start")
+    resumed = next(r for r in second if r["event"] == "resumed")["step"]
+    first = min(r["t"] for r in second if r["event"] == "step")
+    back = max(r["t"] for r in second if r["event"] == "step" and r["step"] == kill["step"] - 1)
+    ckpt = [r["seconds"] for r in recs if r["event"] == "checkpoint" and r["rank"] == 0]
+    return {"impl": "torchrun --max-restarts + checkpoint", "ckpt_every": every,
+            "kill_at": kill["step"], "resumed_from": resumed,
+            "steps_lost": kill["step"] - resumed,
+            "kill_to_restart_s": start - kill["t"],
+            "kill_to_first_step_s": first - kill["t"],
+            "kill_to_back_at_kill_step_s": back - kill["t"],
+            "checkpoint_s_median": statistics.median(ckpt), "checkpoints": len(ckpt)}
+
+
 def _short(text: str) -> str:
     """File paths from site-packages on (``torchft/ddp.py``), not this machine's."""
     return re.sub(r'File "[^"]*site-packages/([^"]+)"', r"\1", text)
@@ -216,8 +273,11 @@ def markdown(res: dict) -> str:
             lines.append(f"| {r['model']} | {n} | {s * 1e3:.2f} | {1 / s:.2f} | "
                          f"{s / base:.2f}x |")
     if res.get("failure"):
+        fm = res.get("failure_meta")
+        load = (f"; 1-min load {fm['loadavg_1min']:.2f} before, "
+                f"{fm['loadavg_1min_after']:.2f} after" if fm else "")
         lines += ["", "Time lost per failure (replica group 1 SIGKILLed in its backward, "
-                  "restarted once the survivor trains alone; small MLP):", "",
+                  f"restarted once the survivor trains alone; small MLP{load}):", "",
                   "| variant | heartbeat timeout | kill -> survivor's next commit | steps the "
                   "survivor dropped | restart -> first commit | manager up -> first commit | "
                   "recovered bit for bit |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -233,6 +293,22 @@ def markdown(res: dict) -> str:
                          f"{f['restart_to_first_commit_s']:.2f} s | "
                          f"{f['manager_up_to_first_commit_s']:.2f} s | "
                          f"{'yes' if f['recovered_equal_bit_for_bit'] else 'NO'} |")
+    if res.get("elastic"):
+        e = res["elastic"]
+        lines += ["", f"The same failure without torchft: `torchrun --nproc-per-node 2 "
+                  f"--max-restarts 1` with a `torch.distributed.checkpoint` of model, "
+                  f"optimizer and reducer state every {e['ckpt_every']} steps "
+                  f"(`examples/elastic_train.py`, same MLP, batches and optimizer); "
+                  f"rank 1 SIGKILLed in its backward at step {e['kill_at']}; both ranks "
+                  f"restart and resume from step {e['resumed_from']}:", "",
+                  "| variant | kill -> ranks restarted (imports, process group) | "
+                  "kill -> first step after resume | "
+                  "kill -> back at the step of the kill | steps lost | one checkpoint |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |",
+                  f"| {e['impl']} | {e['kill_to_restart_s']:.2f} s | "
+                  f"{e['kill_to_first_step_s']:.2f} s | "
+                  f"{e['kill_to_back_at_kill_step_s']:.2f} s | {e['steps_lost']} | "
+                  f"{e['checkpoint_s_median'] * 1e3:.0f} ms |"]
     return "\n".join(lines) + "\n"
 
 
@@ -264,6 +340,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--failure", action="store_true", help="also measure (b)")
+    ap.add_argument("--failure-only", action="store_true",
+                    help="measure (b) only; keep (a) from the results file in --out")
+    ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--kill-at", type=int, default=25)
     ap.add_argument("--heartbeat-ms", type=int, default=5000)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
@@ -273,15 +353,23 @@ def main() -> None:
 
     from _results import save
 
-    load = os.getloadavg()[0]
-    res = {"step_time": [step_times(m, args.rounds, args.warmup)
-                         for m in (args.model or ["mlp"])]}
-    if args.failure:
+    if args.failure_only:  # (a) as measured before
+        old = json.loads((pathlib.Path(args.out) / "ft.json").read_text())
+        res = {"step_time": old["step_time"], "meta": old["meta"]}
+    else:
+        load = os.getloadavg()[0]
+        res = {"step_time": [step_times(m, args.rounds, args.warmup)
+                             for m in (args.model or ["mlp"])]}
+        res["meta"] = {"torch": torch.__version__, "torchft": version("torchft"),
+                       "cpus": os.cpu_count(), "loadavg_1min": load,
+                       "loadavg_1min_after": os.getloadavg()[0], "rounds": args.rounds}
+    if args.failure or args.failure_only:
+        load = os.getloadavg()[0]
         res["failure"] = [failure_times(impl, args.heartbeat_ms)
                           for impl in ("tribucket", "torchft")]
-    res["meta"] = {"torch": torch.__version__, "torchft": version("torchft"),
-                   "cpus": os.cpu_count(), "loadavg_1min": load,
-                   "loadavg_1min_after": os.getloadavg()[0], "rounds": args.rounds}
+        res["elastic"] = elastic_times(args.kill_at + 15, args.ckpt_every, args.kill_at)
+        res["failure_meta"] = {"loadavg_1min": load, "loadavg_1min_after": os.getloadavg()[0],
+                               "torch": torch.__version__, "torchft": version("torchft")}
     save(args.out, "ft", res, markdown, plot)
 
 

@@ -76,9 +76,10 @@ class FTRun:
         return self.address
 
     def replica(self, replica: int, tag: str | None = None, worker: str = WORKER,
-                **options) -> subprocess.Popen:
+                env_over: dict | None = None, **options) -> subprocess.Popen:
         """Start replica group ``replica`` (one process); ``options`` become worker flags
-        (``die_at=5`` -> ``--die-at 5``). ``tag`` names its log files (default ``r<id>``)."""
+        (``die_at=5`` -> ``--die-at 5``). ``tag`` names its log files (default ``r<id>``);
+        ``env_over`` overrides its environment (e.g. one ``MASTER_PORT`` for several)."""
         tag = tag or f"r{replica}"
         log, params = (os.path.join(self.dir, f"{tag}.{ext}") for ext in ("jsonl", "pt"))
         self.logs[tag] = log
@@ -90,6 +91,7 @@ class FTRun:
                    REPLICA_GROUP_ID=str(replica), TORCHFT_LIGHTHOUSE=self.address,
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    OMP_NUM_THREADS="1")
+        env.update(env_over or {})
         out = open(os.path.join(self.dir, f"{tag}.out"), "w")
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -7,8 +7,14 @@ reducer with a ``torchft.Manager`` (``--impl tribucket``) or ``torchft.Distribut
 (``--impl torchft``), and writes one JSON line per step to ``--log`` and, after every
 committed step, the flat parameters of every committed step so far to ``--params``.
 
-``--die-at K``: SIGKILL itself in the backward of step K (after the first bucket's gradient
-hook, so a collective of the step may be in flight).
+``--die-at K``: SIGKILL itself in step K: in its backward (``--die-in backward``, the
+default: after the first bucket's gradient hook, so a collective of the step may be in
+flight) or in its optimizer step (``--die-in step``: after ``should_commit()`` said yes,
+before the parameters change).
+
+``--impl plain``: no torchft at all, the control case: ``fused_bucketing(model, timeout=...)``
+on one gloo group of ``WORLD_SIZE`` processes (``RANK`` = the replica id), so a killed peer
+makes the others raise (the error goes to the log as an ``error`` record).
 """
 
 from __future__ import annotations
@@ -53,11 +59,12 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impl", choices=["tribucket", "torchft"], default="tribucket")
+    ap.add_argument("--impl", choices=["tribucket", "torchft", "plain"], default="tribucket")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--hook", choices=["none", "fp16", "bf16"], default="none")
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--die-at", type=int, default=-1)
+    ap.add_argument("--die-in", choices=["backward", "step"], default="backward")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds between steps")
     ap.add_argument("--width", type=int, default=HID)
     ap.add_argument("--depth", type=int, default=2)
@@ -72,17 +79,21 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(1)
-    import torchft
     import tribucket
 
     replica = int(os.environ["REPLICA_GROUP_ID"])
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    model = build_model(args.width, args.depth)
-    opt = make_optimizer(model)
     log = open(args.log, "a", buffering=1)
 
     def emit(**rec) -> None:
         log.write(json.dumps(dict(t=time.time(), replica=replica, **rec)) + "\n")
+
+    if args.impl == "plain":
+        return plain_main(args, replica, emit)
+    import torchft
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    model = build_model(args.width, args.depth)
+    opt = make_optimizer(model)
 
     def load_state(sd: dict) -> None:
         model.load_state_dict(sd["model"])
@@ -125,10 +136,7 @@ def main() -> None:
         x, y = batch(replica, step, IN)
         loss = loss_fn(net(x), y)
         if step == args.die_at:
-            def die(grad, _step=step):
-                emit(event="kill", step=_step)
-                os.kill(os.getpid(), signal.SIGKILL)
-            list(model.parameters())[0].register_hook(die)  # the last gradient of backward
+            arm_kill(model, opt, args.die_in, step, emit)
         loss.backward()
         norm = None
         if args.clip:
@@ -160,6 +168,52 @@ def main() -> None:
     manager.shutdown(wait=False)
     log.close()
     os._exit(0)  # skip interpreter shutdown: torchft's threads and gloo works die with us
+
+
+def arm_kill(model: nn.Module, opt: torch.optim.Optimizer, where: str, step: int,
+             emit) -> None:
+    """SIGKILL this process in the backward (the last gradient) or in the optimizer step of
+    this step."""
+    def die(*_):
+        emit(event="kill", step=step, where=where)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if where == "backward":
+        list(model.parameters())[0].register_hook(die)  # the last gradient of backward
+    else:
+        opt.register_step_pre_hook(die)
+
+
+def plain_main(args, rank: int, emit) -> None:
+    """The control case: one gloo group of WORLD_SIZE processes, no manager."""
+    import tribucket
+
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    model = build_model(args.width, args.depth)
+    opt = make_optimizer(model)
+    reducer = tribucket.fused_bucketing(model, timeout=datetime.timedelta(seconds=args.timeout))
+    emit(event="start", pid=os.getpid())
+    while args.go and not os.path.exists(args.go):
+        time.sleep(0.02)
+    loss_fn = nn.MSELoss()
+    for step in range(args.steps):
+        try:
+            opt.zero_grad()
+            x, y = batch(rank, step, IN)
+            loss = loss_fn(model(x), y)
+            if step == args.die_at:
+                arm_kill(model, opt, args.die_in, step, emit)
+            loss.backward()
+            opt.step()
+        except Exception as e:  # noqa: BLE001 - the point of the control case
+            emit(event="error", step=step, type=type(e).__name__, message=str(e))
+            raise
+        emit(event="step", step=step, committed=True, participants=dist.get_world_size(),
+             loss=float(loss))
+        if args.sleep:
+            time.sleep(args.sleep)
+    reducer.close()
+    emit(event="done", step=args.steps)
+    os._exit(0)  # the log is line-buffered: every record is written
 
 
 if __name__ == "__main__":

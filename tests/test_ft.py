@@ -27,7 +27,7 @@ pytest.importorskip("torchft", reason="torchft is not installed: pip install 'tr
                     "with torch pinned (make venv installs it)")
 
 import _ft_worker as W  # noqa: E402
-from _ft_harness import FTRun, start_together  # noqa: E402
+from _ft_harness import FTRun, free_port, start_together  # noqa: E402
 
 import tribucket  # noqa: E402
 
@@ -36,15 +36,16 @@ import tribucket  # noqa: E402
 def reference(participants: dict[int, int], last: int, clip: float = 0.0,
               zeros_from_1: tuple = ()) -> dict[int, torch.Tensor]:
     """Parameters after each committed step of one process training on the average of the
-    participating replica groups' batches: ``participants[step]`` is 2 (replicas 0 and 1) or
-    1 (replica 0 alone)."""
+    participating replica groups' batches: ``participants[step]`` is 2 (replicas 0 and 1),
+    1 (replica 0 alone) or a tuple of the replica ids."""
     torch.manual_seed(0)
     model = W.build_model()
     opt = W.make_optimizer(model)
     out = {}
     for step in range(last):
         opt.zero_grad()
-        reps = [0, 1][:participants[step]]
+        p = participants[step]
+        reps = list(p) if isinstance(p, tuple) else [0, 1][:p]
         for r in reps:
             if r == 1 and step in zeros_from_1:
                 continue  # replica 1 sat this step out, sending zeros (healing, async quorum)
@@ -170,6 +171,73 @@ def _check_kill_run(run: FTRun, K: int, heartbeat_s: float, t_restart: float,
           f"{heartbeat_s:.0f} s); restarted replica's first commit {recover_s:.2f} s after "
           f"its launch, {_committed(r1b)[first]['t'] - started:.2f} s after its manager "
           f"was up (step {first})")
+
+
+@pytest.mark.ft
+@pytest.mark.timeout(180)
+def test_three_replicas_two_failures(tmp_path):
+    """Three replica groups; replica 1 is SIGKILLed in its backward at step K1, replica 2 in
+    its optimizer step at step K2 (after ``should_commit()`` said yes, before its parameters
+    changed). Replica 0 never stops: it drops only the step in flight at the first kill
+    (the second one comes after every allreduce of the step arrived), commits every step,
+    with 3, then 2, then 1 participants, each equal to the dense reference of the
+    participating replicas' batches; replica 2, while it lived, equals it bit for bit."""
+    K1, K2, steps, heartbeat_s = 2, 5, 8, 2.0
+    with FTRun(str(tmp_path), heartbeat_timeout_ms=int(heartbeat_s * 1000)) as run:
+        run.lighthouse()
+        go = str(tmp_path / "go")
+        r0 = run.replica(0, steps=steps, go=go)
+        run.replica(1, steps=steps, die_at=K1, go=go)
+        run.replica(2, steps=steps, die_at=K2, die_in="step", go=go)
+        start_together(run, ["r0", "r1", "r2"], go)
+        assert run.wait_exit(r0, 120, "r0") == 0, run.tail("r0")
+        kills = {t: next(r for r in run.records(t) if r["event"] == "kill")
+                 for t in ("r1", "r2")}
+        assert (kills["r1"]["step"], kills["r2"]["step"]) == (K1, K2), kills
+        r0_steps = run.steps("r0")
+        p0, p2 = run.params("r0"), run.params("r2")
+
+    assert all(r["loss"] == r["loss"] and abs(r["loss"]) < 1e3 for r in r0_steps), r0_steps
+    committed = _committed(r0_steps)
+    assert sorted(committed) == list(range(steps)), [(r["step"], r["committed"])
+                                                     for r in r0_steps]
+    dropped = [r["step"] for r in r0_steps if not r["committed"]]
+    assert set(dropped) <= {K1, K2 + 1} and K1 in dropped, dropped
+    want = {s: 3 if s < K1 else 2 if s <= K2 else 1 for s in range(steps)}
+    assert {s: r["participants"] for s, r in committed.items()} == want
+    members = {s: (0, 1, 2)[:n] if n == 3 else (0, 2) if n == 2 else (0,)
+               for s, n in want.items()}
+    _check_against_reference(p0, members, atol=2e-6, what="replica 0")
+    assert min(p2) == 1 and max(p2) == K2  # replica 2 died before committing step K2
+    for step in p2:
+        assert torch.equal(p2[step], p0[step]), f"step {step - 1}: replica 2 differs"
+    print(f"\nthree replicas: replica 0 dropped steps {dropped}; committed with 1 "
+          f"participant {committed[K2 + 1]['t'] - kills['r2']['t']:.2f} s after the second "
+          f"kill (heartbeat timeout {heartbeat_s:.0f} s)")
+
+
+@pytest.mark.ft
+@pytest.mark.timeout(120)
+def test_without_a_manager_the_survivor_raises(tmp_path):
+    """The control case: the same kill against plain ``fused_bucketing`` (one gloo group of
+    two processes, ``timeout=``) ends the survivor with an error naming the dead rank, in
+    the step of the kill; it commits nothing after it. Surviving is the manager's doing."""
+    K = 3
+    with FTRun(str(tmp_path)) as run:
+        env = {"MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+        go = str(tmp_path / "go")
+        r0 = run.replica(0, impl="plain", steps=10, timeout=5, go=go, env_over=env)
+        run.replica(1, impl="plain", steps=10, timeout=5, die_at=K, go=go, env_over=env)
+        start_together(run, ["r0", "r1"], go)
+        assert run.wait_exit(r0, 60, "r0") != 0, "the survivor finished without its peer"
+        error = next(r for r in run.records("r0") if r["event"] == "error")
+        kill = next(r for r in run.records("r1") if r["event"] == "kill")
+        assert [r["step"] for r in run.steps("r0")] == list(range(K))
+    assert error["step"] == K and error["type"] == "RuntimeError", error
+    assert "rank 1" in error["message"], error["message"]
+    assert error["t"] - kill["t"] <= 5 + 5, "the survivor raised after its timeout"
+    print(f"\nwithout a manager: the survivor raised {error['t'] - kill['t']:.2f} s after "
+          f"the kill: {error['message'][:300]}")
 
 
 @pytest.mark.ft
