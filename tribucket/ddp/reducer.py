@@ -119,6 +119,8 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         #: figures of the last backward (:class:`ReducerStats`)
         self.stats = self._bw.stats
         self._handles: list = []
+        #: weak references to callables run first at close (ShardedOptimizer.wait_parameters)
+        self._before_close: list = []
         self._hook_refs: list[HookRef] = []
         self._forward = Forward(config, self._bw, self._guard, self._join_flags, self._params,
                                 self._current_buffers, self.world_size, self,
@@ -424,6 +426,11 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         if self._bw.closed:
             return
         self._bw.closed = True
+        if not self._guard.failed:  # a sharded optimizer's gathers in flight land first
+            for ref in self._before_close:
+                wait = ref()
+                if wait is not None:
+                    wait()
         optsteps.unwatch(self._bw)
         release(self, self._params)
         lent, self._lent_to = self._lent_to, None
