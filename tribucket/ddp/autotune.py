@@ -3,8 +3,10 @@ rebuild and keep the fastest, the same on every rank.
 
 The schedule. The candidates are bucket caps of 1, 4, 25 and 100 MiB (those at or above
 the model's gradient bytes give one bucket: only the smallest of them is kept) and, for the
-first bucket, no separate first cap (the bucket cap) and 1 MiB / 256 KiB; candidates that give
-the same layout in the rebuild's order are tried once. The first candidate is the layout of
+first bucket, no separate first cap (the bucket cap) and 1 MiB / 256 KiB (with both options
+"auto", the small first buckets are tried under the default 25 MiB cap only: at most 6
+candidates, 25 steps); the default layout (the caps a run without "auto" would use) comes
+first, and candidates that give the same layout in the rebuild's order are tried once. The first candidate is the layout of
 the rebuild itself; each is then run for :data:`WARMUP_STEPS` step(s), not measured (new
 buffers, cold caches), and :data:`MEASURED_STEPS` measured steps.
 
@@ -69,9 +71,17 @@ class AutoTuner:
             firsts = [None]
         #: (bucket cap, first-bucket cap) in bytes, in the order they are tried
         self.candidates: list[tuple[int, int]] = []
+        both = config.bucket_cap_mb == AUTO and config.first_bucket_cap_mb == AUTO
         for cap in caps:
-            for first in firsts:
+            # both "auto": the small first buckets are tried with the default cap only (the
+            # schedule stays within 30 steps)
+            for first in firsts if not both or cap == default_caps[0] else firsts[:1]:
                 pair = (cap, cap if first is None else min(first, cap))
+                if pair not in self.candidates:
+                    self.candidates.append(pair)
+        if both:
+            for first in firsts[1:]:
+                pair = (default_caps[0], min(first, default_caps[0]))
                 if pair not in self.candidates:
                     self.candidates.append(pair)
         # the default is measured first (the rebuild's own layout); candidates with its
@@ -104,6 +114,8 @@ class AutoTuner:
             # the pass just finished ran on the initial layout and rebuilt it: start
             self._dedupe(bw.layout.align_bytes)
             self.current, self.steps = 0, 0
+            if len(self.candidates) == 1:  # one layout whatever the cap: nothing to measure
+                self.choice = self.policy.caps = self.candidates[0]
             return
         if seconds is not None and self.steps >= WARMUP_STEPS:
             if self.noise is not None:
