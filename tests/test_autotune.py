@@ -168,3 +168,36 @@ def _powersgd_refused():
 def test_a_hook_with_per_bucket_state_is_refused(dist_run):
     for msg in dist_run(_powersgd_refused):
         assert msg is not None and "bucket_cap_mb='auto'" in msg and "PowerSGD" in msg
+
+
+def _uneven_inputs_while_tuning():
+    """Rank 1 runs out of data mid-schedule: its Join shadow passes step the schedule with
+    the others (same collectives, same choice); parameters as DDP's join."""
+    from torch.distributed.algorithms.join import Join
+
+    rank = dist.get_rank()
+    mine, theirs = build("mlp", seed=rank), build("mlp", seed=rank)
+    ddp = DDP(theirs, bucket_cap_mb=25)
+    opt_a = torch.optim.SGD(mine.parameters(), lr=0.05)
+    opt_b = torch.optim.SGD(theirs.parameters(), lr=0.05)
+    n = 18 if rank == 0 else 6
+    with _small_caps(), tribucket.fused_bucketing(mine, bucket_cap_mb="auto") as reducer:
+        with reducer.join():
+            for step in range(n):
+                loss_of(mine(batch("mlp", rank, step))).backward()
+                opt_a.step(); opt_a.zero_grad()
+        with Join([ddp]):
+            for step in range(n):
+                loss_of(ddp(batch("mlp", rank, step))).backward()
+                opt_b.step(); opt_b.zero_grad()
+        for a, b in zip(mine.parameters(), theirs.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        tuner = reducer._bw.tuner
+        return dict(done=tuner.done, choice=tuner.choice, layout=reducer.layout.bucket_indices(),
+                    n=len(tuner.candidates))
+
+
+def test_uneven_inputs_while_tuning(dist_run):
+    r0, r1 = dist_run(_uneven_inputs_while_tuning)
+    assert r0["n"] == 3 and r0["done"] and r1["done"]  # 1 + 3 x 4 = 13 steps < 18
+    assert r0["choice"] == r1["choice"] and r0["layout"] == r1["layout"]
