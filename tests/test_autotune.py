@@ -19,7 +19,7 @@ from models import batch, build, loss_of
 
 # caps scaled to the test models (a few KiB of gradients): 1, 4 KiB and one bucket
 SMALL_CAPS = dict(BUCKET_CAPS_MB=(0.001, 0.004, 0.1), FIRST_CAPS_MB=(None, 0.0005))
-STEPS_PER_CANDIDATE = autotune.WARMUP_STEPS + autotune.MEASURED_STEPS
+STEPS_PER_CANDIDATE = autotune.VISITS * (autotune.WARMUP_STEPS + autotune.MEASURED_STEPS)
 
 
 @contextlib.contextmanager
@@ -180,7 +180,7 @@ def _uneven_inputs_while_tuning():
     ddp = DDP(theirs, bucket_cap_mb=25)
     opt_a = torch.optim.SGD(mine.parameters(), lr=0.05)
     opt_b = torch.optim.SGD(theirs.parameters(), lr=0.05)
-    n = 18 if rank == 0 else 6
+    n = 24 if rank == 0 else 6
     with _small_caps(), tribucket.fused_bucketing(mine, bucket_cap_mb="auto") as reducer:
         with reducer.join():
             for step in range(n):
@@ -199,5 +199,5 @@ def _uneven_inputs_while_tuning():
 
 def test_uneven_inputs_while_tuning(dist_run):
     r0, r1 = dist_run(_uneven_inputs_while_tuning)
-    assert r0["n"] == 3 and r0["done"] and r1["done"]  # 1 + 3 x 4 = 13 steps < 18
+    assert r0["n"] == 3 and r0["done"] and r1["done"]  # 1 + 3 x 6 = 19 steps < 24
     assert r0["choice"] == r1["choice"] and r0["layout"] == r1["layout"]

@@ -5,14 +5,17 @@ The schedule. The candidates are bucket caps of 1, 4, 25 and 100 MiB (those at o
 the model's gradient bytes give one bucket: only the smallest of them is kept) and, for the
 first bucket, no separate first cap (the bucket cap) and 1 MiB / 256 KiB (with both options
 "auto", the small first buckets are tried under the default 25 MiB cap only: at most 6
-candidates, 25 steps); the default layout (the caps a run without "auto" would use) comes
+candidates); the default layout (the caps a run without "auto" would use) comes
 first, and candidates that give the same layout in the rebuild's order are tried once. The first candidate is the layout of
-the rebuild itself; each is then run for :data:`WARMUP_STEPS` step(s), not measured (new
-buffers, cold caches), and :data:`MEASURED_STEPS` measured steps.
+the rebuild itself. The candidates are visited in order, then in reverse order (A B C C B A:
+a load that drifts during the search weighs on each alike; measured one after the other, the
+first candidate took the blame for a machine that was busier at the start); each visit runs
+:data:`WARMUP_STEPS` step, not measured (new buffers, cold caches), then
+:data:`MEASURED_STEPS` measured steps: 6 steps and 4 measurements per candidate.
 
 What is measured: per synchronised backward, from its start to every ``.grad`` averaged
 (``reducer.stats.backward_compute_s + comm_exposed_s``): the part of the step the layout
-changes. A rank reports each candidate's median.
+changes. A rank reports each candidate's median (of 4).
 
 The decision: one all-reduce (MAX) of the per-candidate medians, so each candidate is judged
 by its slowest rank and every rank holds the same figures; the smallest wins, ties to the
@@ -37,12 +40,16 @@ import torch.distributed as dist
 
 from ..config import AUTO, MiB, ReducerConfig
 
-__all__ = ["AutoTuner", "tuner_for", "WARMUP_STEPS", "MEASURED_STEPS", "BUCKET_CAPS_MB", "FIRST_CAPS_MB"]
+__all__ = ["AutoTuner", "tuner_for", "WARMUP_STEPS", "MEASURED_STEPS", "VISITS",
+           "BUCKET_CAPS_MB", "FIRST_CAPS_MB"]
 
 #: steps run with a new candidate before measuring it (fresh buffers, cold caches)
 WARMUP_STEPS = 1
-#: measured steps per candidate: the median of 3 drops one outlier
-MEASURED_STEPS = 3
+#: measured steps per visit of a candidate
+MEASURED_STEPS = 2
+#: visits per candidate: in order, then in reverse order (A B C C B A), so that a load that
+#: drifts during the search weighs on every candidate alike
+VISITS = 2
 #: bucket caps tried by ``bucket_cap_mb="auto"``
 BUCKET_CAPS_MB = (1, 4, 25, 100)
 #: first-bucket caps tried by ``first_bucket_cap_mb="auto"`` (``None``: the bucket cap)
@@ -73,8 +80,8 @@ class AutoTuner:
         self.candidates: list[tuple[int, int]] = []
         both = config.bucket_cap_mb == AUTO and config.first_bucket_cap_mb == AUTO
         for cap in caps:
-            # both "auto": the small first buckets are tried with the default cap only (the
-            # schedule stays within 30 steps)
+            # both "auto": the small first buckets are tried with the default cap only (a
+            # shorter schedule)
             for first in firsts if not both or cap == default_caps[0] else firsts[:1]:
                 pair = (cap, cap if first is None else min(first, cap))
                 if pair not in self.candidates:
@@ -94,7 +101,8 @@ class AutoTuner:
         self.medians: list[float] | None = None     # max over ranks, after the decision
         self.choice: tuple[int, int] | None = None  # the caps kept (done)
         self.current = -1                           # candidate measured now (-1: waiting)
-        self.steps = 0                              # steps run with the current candidate
+        self.visit = 0                              # index into the visit order
+        self.steps = 0                              # steps run in the current visit
         self.relayouts = 0                          # layouts changed after the rebuild
         self.kept = False                           # a loaded layout, kept untuned
         #: tests: ``noise()`` seconds added to each measurement (per-rank jitter)
@@ -113,7 +121,7 @@ class AutoTuner:
         if self.current < 0:
             # the pass just finished ran on the initial layout and rebuilt it: start
             self._dedupe(bw.layout.align_bytes)
-            self.current, self.steps = 0, 0
+            self.current, self.visit, self.steps = 0, 0, 0
             if len(self.candidates) == 1:  # one layout whatever the cap: nothing to measure
                 self.choice = self.policy.caps = self.candidates[0]
             return
@@ -124,9 +132,13 @@ class AutoTuner:
         self.steps += 1
         if self.steps < WARMUP_STEPS + MEASURED_STEPS:
             return
-        if self.current + 1 < len(self.candidates):
-            self.current, self.steps = self.current + 1, 0
-            self._relayout(bw, self.candidates[self.current])
+        n = len(self.candidates)
+        order = list(range(n)) + list(range(n - 1, -1, -1)) * (VISITS - 1)
+        if self.visit + 1 < len(order):
+            self.visit, self.steps = self.visit + 1, 0
+            if order[self.visit] != self.current:
+                self.current = order[self.visit]
+                self._relayout(bw, self.candidates[self.current])
             return
         self.choice = self._decide(bw)
         if self.choice != self.candidates[self.current]:
