@@ -416,6 +416,7 @@ def _refusals():
     m = FakeManager()
     refused("shard", lambda: tribucket.fused_bucketing(_mlp(), manager=m, shard_optimizer=True))
     refused("chunk", lambda: tribucket.fused_bucketing(_mlp(), manager=m, comm_chunk_mb=1))
+    refused("auto", lambda: tribucket.fused_bucketing(_mlp(), manager=m, bucket_cap_mb="auto"))
     refused("not a manager", lambda: tribucket.fused_bucketing(_mlp(), manager=object()),
             TypeError)
     emb = nn.Sequential(nn.Embedding(10, 4, sparse=True))
@@ -437,6 +438,7 @@ def test_refused_at_entry_with_the_reason(dist_run):
     msgs = dist_run(_refusals, world_size=1)[0]
     assert "shard_optimizer" in msgs["shard"]
     assert "comm_chunk_mb" in msgs["chunk"]
+    assert "bucket_cap_mb='auto'" in msgs["auto"]
     assert "torchft.Manager" in msgs["not a manager"]
     assert "sparse" in msgs["sparse"]
     assert "expert-parallel" in msgs["moe"]

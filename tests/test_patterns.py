@@ -251,6 +251,7 @@ def _create_graph_sharded():
             warnings.simplefilter("ignore")
             model(x).square().mean().backward(create_graph=True)
         opt.step()
+        opt.wait_parameters()  # a direct read of the parameters (overlap_param_gather)
         for a, b in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(a.detach(), b.detach(), atol=1e-6, rtol=1e-6)
     return True

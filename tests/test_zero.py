@@ -110,6 +110,8 @@ def _step_both(opt, ref, mine, theirs, tol, step, check=True):
     ref.step()
     opt.zero_grad()
     ref.zero_grad()
+    if check:  # a direct read of the parameters: their gathers must have landed
+        opt.wait_parameters()
     for (name, a), b in zip(mine.named_parameters(), theirs.parameters() if check else []):
         torch.testing.assert_close(a, b, **tol, msg=lambda m: f"step {step} {name}: {m}")
 
@@ -464,3 +466,35 @@ def test_state_dict_right_after_an_overlapped_step_is_current(dist_run):
     for stale, stale_layer in dist_run(_state_dict_right_after_overlapped_step, world_size=2,
                                        timeout=60):
         assert not stale and not stale_layer, (stale, stale_layer)
+
+
+# ---------------------------------------------------------------- the default: overlapped gathers
+def _default_overlaps_and_leaving_waits():
+    rank = dist.get_rank()
+    out = {}
+    for overlap in (None, False):  # the default, and step() waiting for its gathers
+        model = _build(rank)
+        with tribucket.fused_bucketing(model, shard_optimizer=True, bucket_cap_mb=CAP) as reducer:
+            kw = {} if overlap is None else dict(overlap_param_gather=overlap)
+            opt = ShardedOptimizer(reducer, torch.optim.SGD, lr=0.5, **kw)
+            model(_batch(rank, 0)).square().mean().backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            in_flight = sum(w is not None for w in opt._gathers)
+        # after leaving fused_bucketing: no wait_parameters() called
+        out[overlap] = dict(in_flight=in_flight, left=sum(w is not None for w in opt._gathers),
+                            changed=sum(not torch.equal(p, b) for p, b in
+                                        zip(model.parameters(), before)),
+                            params=[p.detach().clone() for p in model.parameters()])
+    return out
+
+
+def test_the_default_overlaps_the_gathers_and_leaving_waits_for_them(dist_run):
+    for r in dist_run(_default_overlaps_and_leaving_waits, world_size=2):
+        default, waited = r[None], r[False]
+        assert default["in_flight"] > 0, "step() waited for its gathers: the default is not overlap"
+        assert waited["in_flight"] == 0 and default["left"] == 0
+        assert default["changed"] > 0
+        # leaving fused_bucketing landed the gathers: the parameters hold the step
+        for a, b in zip(default["params"], waited["params"]):
+            assert torch.equal(a, b), "the parameters after leaving miss the last step"

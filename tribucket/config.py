@@ -9,9 +9,11 @@ from typing import Any
 
 from torch import distributed as dist
 
-__all__ = ["ReducerConfig", "MiB", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_CAP_MB"]
+__all__ = ["ReducerConfig", "MiB", "AUTO", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_CAP_MB"]
 
 MiB = 2**20
+#: the value of ``bucket_cap_mb`` / ``first_bucket_cap_mb`` that measures the caps
+AUTO = "auto"
 #: torch DDP's default bucket cap
 DEFAULT_BUCKET_CAP_MB = 25
 #: torch DDP's first-bucket cap (``dist._DEFAULT_FIRST_BUCKET_BYTES``), used only when
@@ -29,11 +31,12 @@ def _env_flag(name: str) -> bool | None:
     return None if value is None else value == "1"
 
 
-def _positive_mb(name: str, value: Any) -> None:
+def _positive_mb(name: str, value: Any, auto: bool = False) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
+        raise ValueError(f"{name} must be a positive number of MiB"
+                         + (" or 'auto'" if auto else "") + f", got {value!r}")
     if int(value * MiB) < 1:
         raise ValueError(f"{name}={value!r} MiB is less than one byte; use a larger value")
 
@@ -43,13 +46,16 @@ class ReducerConfig:
     """Options of :class:`tribucket.Reducer` / :func:`tribucket.fused_bucketing`."""
 
     #: bucket cap in MiB (``int(mb * 2**20)`` bytes); ``None`` means DDP's default, 25 MiB
-    #: (4 MiB with ``shard_optimizer=True``, see DEFAULT_SHARD_BUCKET_CAP_MB)
-    bucket_cap_mb: float | None = None
+    #: (4 MiB with ``shard_optimizer=True``, see DEFAULT_SHARD_BUCKET_CAP_MB); ``"auto"``:
+    #: measured over the first steps after the rebuild and chosen the same on every rank
+    #: (``tribucket/ddp/autotune.py``; 25 MiB until then)
+    bucket_cap_mb: float | str | None = None
     #: cap of the first bucket of each (dtype, device) after the rebuild; ``None`` means
     #: 1 MiB when ``bucket_cap_mb`` is ``None``, else ``bucket_cap_mb`` (torch DDP 2.x),
     #: except for a model all on the CPU: ``bucket_cap_mb``'s value
-    #: (see ``ddp.rebuild.LayoutPolicy.first_cap_bytes``)
-    first_bucket_cap_mb: float | None = None
+    #: (see ``ddp.rebuild.LayoutPolicy.first_cap_bytes``); ``"auto"``: measured, as
+    #: ``bucket_cap_mb="auto"``
+    first_bucket_cap_mb: float | str | None = None
     #: make each ``.grad`` a view into its bucket: no copies in or out, as DDP's option
     gradient_as_bucket_view: bool = False
     #: search the autograd graph after each forward for parameters that will get no
@@ -112,8 +118,12 @@ class ReducerConfig:
     trace: Any = None
 
     def __post_init__(self) -> None:
-        _positive_mb("bucket_cap_mb", self.bucket_cap_mb)
-        _positive_mb("first_bucket_cap_mb", self.first_bucket_cap_mb)
+        if self.bucket_cap_mb != AUTO:
+            _positive_mb("bucket_cap_mb", self.bucket_cap_mb, auto=True)
+        if self.first_bucket_cap_mb != AUTO:
+            _positive_mb("first_bucket_cap_mb", self.first_bucket_cap_mb, auto=True)
+        if self.autotune:
+            self._check_autotune()
         if self.comm_chunk_mb is not None and self.comm_chunk_mb != 0:
             _positive_mb("comm_chunk_mb", self.comm_chunk_mb)
         for name in ("gradient_as_bucket_view", "find_unused_parameters", "static_graph",
@@ -145,6 +155,26 @@ class ReducerConfig:
                 raise ValueError(f"timeout must be positive, got {self.timeout}")
 
     @property
+    def autotune(self) -> bool:
+        """A cap is ``"auto"``: the caps are measured after the rebuild (``ddp/autotune.py``)."""
+        return AUTO in (self.bucket_cap_mb, self.first_bucket_cap_mb)
+
+    def _check_autotune(self) -> None:
+        which = "bucket_cap_mb" if self.bucket_cap_mb == AUTO else "first_bucket_cap_mb"
+        if self.shard_optimizer:
+            raise ValueError(f"{which}='auto' cannot be combined with shard_optimizer=True: the "
+                             "sharded optimizer's state lives on the buckets, so they are never "
+                             f"re-laid; pass a number ({which}=4, the default under "
+                             "shard_optimizer, or a value measured with bucket_cap_mb='auto' "
+                             "without sharding)")
+        if self.dynamic_unused:
+            raise ValueError(f"{which}='auto' cannot be combined with "
+                             "find_unused_parameters=True (without static_graph): those buckets "
+                             "are never rebuilt, as in DDP, so there is no gradient-ready order "
+                             f"to lay them out in; pass a number for {which}, or "
+                             "static_graph=True if the graph is the same every step")
+
+    @property
     def dynamic_unused(self) -> bool:
         """The unused set is searched after every forward (``find_unused_parameters``
         without ``static_graph``): the buckets are never rebuilt, as in DDP."""
@@ -159,12 +189,14 @@ class ReducerConfig:
     @property
     def bucket_cap_bytes(self) -> int:
         mb = self.bucket_cap_mb
-        if mb is None:
+        if mb is None or mb == AUTO:  # "auto": the cap until it is measured
             mb = DEFAULT_SHARD_BUCKET_CAP_MB if self.shard_optimizer else DEFAULT_BUCKET_CAP_MB
         return int(mb * MiB)
 
     @property
     def first_bucket_cap_bytes(self) -> int:
+        if self.first_bucket_cap_mb == AUTO:
+            return self.bucket_cap_bytes  # until it is measured
         if self.first_bucket_cap_mb is not None:
             return int(self.first_bucket_cap_mb * MiB)
         if self.bucket_cap_mb is None:

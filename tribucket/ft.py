@@ -89,6 +89,13 @@ def _refuse(module: nn.Module, process_group, options: dict) -> None:
             "reduce-scatter), and the ShardedOptimizer's all-gather inside a replica group "
             "would not be covered by should_commit(); use a plain optimizer wrapped in "
             "torchft.Optimizer")
+    for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+        if options.get(name) == "auto":
+            raise ValueError(
+                f"fused_bucketing(manager=...) does not support {name}='auto': every replica "
+                "group must hold the same buckets from the first step (they are fixed from the "
+                "parameters alone, never rebuilt or re-laid), and a group that joins later "
+                f"could not follow a search; pass a number for {name}")
     if options.get("comm_chunk_mb"):
         raise ValueError(
             f"fused_bucketing(manager=...) does not support comm_chunk_mb="

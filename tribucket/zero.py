@@ -24,6 +24,7 @@ elements (no norms, no matrix shapes). See ``ELEMENTWISE_OPTIMIZERS``.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -156,13 +157,16 @@ class ShardedOptimizer:
             model's parameters). Frozen parameters are skipped, as torch's optimizers skip
             parameters without gradient.
         assume_elementwise: accept an optimizer class outside ``ELEMENTWISE_OPTIMIZERS``.
-        overlap_param_gather: return from ``step()`` with the all-gathers in flight; each
-            module waits for the buckets of its own parameters in a forward pre-hook, so the
-            gathers overlap the next forward, and in a ``state_dict`` pre-hook, so a
-            checkpoint taken right after ``step()`` is current. A forward that reads
-            parameters of a module it does not call, or a read of the parameter tensors
-            themselves (an average of weights over ``model.parameters()``), must call
-            :meth:`wait_parameters` first.
+        overlap_param_gather: ``True`` (default): return from ``step()`` with the
+            all-gathers in flight; each module waits for the buckets of its own parameters in
+            a forward pre-hook, so the gathers overlap the next forward, and in a
+            ``state_dict`` pre-hook, so a checkpoint taken right after ``step()`` is current;
+            leaving ``fused_bucketing`` waits for them too. A forward that reads parameters
+            of a module it does not call, or a read of the parameter tensors themselves (an
+            average of weights over ``model.parameters()``), must call
+            :meth:`wait_parameters` first. The default because it was faster on every model
+            and rank count of ``perf/bench_zero.py`` (docs/zero.md). ``False``: ``step()``
+            returns with the parameters updated.
         **defaults: the optimizer's options (``lr``, ``weight_decay``...).
 
     Between ``backward`` and ``step`` the parameters have no ``.grad``: the averaged
@@ -171,7 +175,7 @@ class ShardedOptimizer:
     """
 
     def __init__(self, reducer, optimizer_class: type, params: Iterable | None = None, *,
-                 assume_elementwise: bool = False, overlap_param_gather: bool = False,
+                 assume_elementwise: bool = False, overlap_param_gather: bool = True,
                  **defaults: Any):
         _check_optimizer_class(optimizer_class, assume_elementwise)
         shards = reducer.shards  # raises unless the reducer shards
@@ -230,6 +234,8 @@ class ShardedOptimizer:
         self._overlap = bool(overlap_param_gather)
         _exit.register(self)  # gathers drained, groups dropped before interpreter shutdown
         self._hooks = self._wait_hooks(module, averaged) if self._overlap else []
+        if self._overlap:  # leaving fused_bucketing waits for the gathers in flight
+            reducer._before_close.append(weakref.WeakMethod(self.wait_parameters))
 
     def _wait_hooks(self, module, averaged: list) -> list:
         """A forward pre-hook and a state_dict pre-hook on every module holding parameters:

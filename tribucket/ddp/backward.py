@@ -30,6 +30,7 @@ from ..config import ReducerConfig
 from ..layout import BucketLayout
 from . import resume
 from .allocate import align_bytes, build_buckets
+from .autotune import tuner_for
 from .bucket import BucketState, Comm, GradHook
 from .compat import CommTimings
 from .join import JoinFlags
@@ -57,6 +58,7 @@ class Backward:
         self.guard, self.comm, self.join_flags, self.device = guard, comm, join_flags, device
         self.world_size, self.rank = guard.world_size, guard.rank
         self.policy = LayoutPolicy(config, params, expect_sparse)
+        self.tuner = tuner_for(config, self.policy)  # bucket_cap_mb="auto" (autotune.py)
         self.status = Status(guard, self.rank, self.world_size, len(params), device,
                              config.needs_used_map)
         self.layout: BucketLayout = self.policy.initial()
@@ -356,6 +358,8 @@ class Backward:
             self.rebuild(self.ready_order)
             for bucket in self.buckets:  # the averaged gradients, re-bucketed
                 self.epilogue.finished(bucket.index)
+        if self.tuner is not None:  # bucket_cap_mb="auto": measure, maybe re-lay (autotune.py)
+            self.tuner.after_step(self, st.backward_compute_s + st.comm_exposed_s)
 
     def _missing(self, p: Pass) -> int:
         """Gradients this rank missed, as problems to report. With find_unused_parameters a
@@ -431,6 +435,8 @@ class Backward:
         if self.policy.may_rebuild(self.rebuilt) and not (
                 cfg.static_graph and self.stats.iterations < 2):
             self.rebuild(list(range(len(self.params))))
+        if self.tuner is not None:  # bucket_cap_mb="auto": a step, not measured (autotune.py)
+            self.tuner.after_step(self, None)
 
     def finish_in_flight(self) -> Exception | None:
         """``close()``: settle the pass left unfinished (see :meth:`settle_abandoned`) so no

@@ -22,6 +22,10 @@ class LayoutPolicy:
     def __init__(self, config: ReducerConfig, params: list[torch.Tensor],
                  expect_sparse: list[bool]):
         self.config, self.params, self.expect_sparse = config, params, expect_sparse
+        #: (bucket cap, first-bucket cap) in bytes replacing the config's (``autotune.py``)
+        self.caps: tuple[int, int] | None = None
+        #: the order of the rebuild (rank 0's, broadcast): later layouts keep it
+        self.order: list[int] | None = None
 
     def initial(self) -> BucketLayout:
         cfg = self.config
@@ -73,8 +77,14 @@ class LayoutPolicy:
                                   if guard.group is not dist.group.WORLD else 0,
                                   group=guard.group_arg(), async_op=True)
             guard.wait(work, "the bucket-rebuild broadcast", iteration)
+        self.order = t.tolist()
         cfg = self.config
+        caps = self.caps or (cfg.bucket_cap_bytes, self.first_cap_bytes())
+        return self.relayout(caps, align_bytes)
+
+    def relayout(self, caps: tuple[int, int], align_bytes: int) -> BucketLayout:
+        """The layout of the rebuild's order under other ``(bucket cap, first cap)`` bytes."""
+        assert self.order is not None, "relayout before the rebuild"
         return compute_layout(
-            self.params, bucket_cap_bytes=cfg.bucket_cap_bytes,
-            first_bucket_cap_bytes=self.first_cap_bytes(),
-            expect_sparse=self.expect_sparse, order=t.tolist(), align_bytes=align_bytes)
+            self.params, bucket_cap_bytes=caps[0], first_bucket_cap_bytes=caps[1],
+            expect_sparse=self.expect_sparse, order=self.order, align_bytes=align_bytes)

@@ -123,6 +123,8 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         #: figures of the last backward (:class:`ReducerStats`)
         self.stats = self._bw.stats
         self._handles: list = []
+        #: weak references to callables run first at close (ShardedOptimizer.wait_parameters)
+        self._before_close: list = []
         self._hook_refs: list[HookRef] = []
         self._forward = Forward(config, self._bw, self._guard, self._join_flags, self._params,
                                 self._current_buffers, self.world_size, self,
@@ -319,6 +321,8 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
             raise ValueError(f"cannot register {hook_name(hook)}: with shard_optimizer=True "
                              "each bucket is reduce-scattered by the reducer itself, so no "
                              "comm hook runs; drop shard_optimizer or the hook")
+        if self.config.autotune:
+            _check_hook_for_autotune(self.config, hook, state)
         if self._comm.hook is not None:
             raise RuntimeError(f"a comm hook ({hook_name(self._comm.hook)}) is already "
                                "registered; register_comm_hook can be called only once per "
@@ -351,8 +355,12 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         not overlap computation (``reducer.stats.comm_exposed_s``).
         """
         bw = self._bw
-        return logging_data(self, self._params, self._comm.hook, self._initial_sizes,
-                            bw.unused, bw.rebuilt, bw.timings)
+        out = logging_data(self, self._params, self._comm.hook, self._initial_sizes,
+                           bw.unused, bw.rebuilt, bw.timings)
+        if bw.tuner is not None:  # bucket_cap_mb="auto": the caps in use, and the search
+            out["bucket_cap_bytes"] = bw.policy.caps[0]
+            out.update(bw.tuner.logging_data())
+        return out
 
     def state_dict(self) -> dict:
         """What a resumed run needs: the (rebuilt) layout, the iteration count, hook state;
@@ -363,6 +371,8 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
                         static_used=bw.static_used)
         state = resume.state_dict(self._names, bw.layout, progress, self._comm.hook,
                                   self._comm.hook_state, self.rank, self.world_size)
+        if bw.tuner is not None and bw.tuner.state() is not None:
+            state["autotune"] = bw.tuner.state()  # a resumed run does not tune again
         return resume.with_expert_states(state, self.expert_reducers, self.rank)
 
     def load_state_dict(self, state: dict) -> None:
@@ -394,6 +404,12 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
                              "its own buckets: use the same bucket_cap_mb as the saved run")
         bw.layout = layout
         bw.rebuilt = progress["rebuilt"]
+        if bw.tuner is not None and state.get("autotune") is not None:
+            bw.tuner.adopt(state["autotune"])  # the saved choice (or schedule: tune again)
+            if not bw.tuner.done:  # saved while tuning: start again from the first candidate
+                bw.layout = bw.policy.relayout(bw.policy.caps, bw.layout.align_bytes)
+        elif bw.tuner is not None and bw.rebuilt:
+            bw.tuner.adopt_layout()  # a fixed-cap run's layout: kept as it is
         bw.static_counts, bw.static_used = progress["static_counts"], progress["static_used"]
         bw.ready_order = []
         bw.stats.iterations, bw.passes = progress["iterations"], progress["passes"]
@@ -420,6 +436,11 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         if self._bw.closed:
             return
         self._bw.closed = True
+        if not self._guard.failed:  # a sharded optimizer's gathers in flight land first
+            for ref in self._before_close:
+                wait = ref()
+                if wait is not None:
+                    wait()
         optsteps.unwatch(self._bw)
         release(self, self._params)
         lent, self._lent_to = self._lent_to, None
@@ -493,9 +514,24 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         return self.process_group
 
 
+def _check_hook_for_autotune(config: ReducerConfig, hook: Callable, state: Any) -> None:
+    """A hook whose state may be per bucket (torch's PowerSGD keeps error feedback per bucket
+    index) would be handed buckets of another layout mid-run: refuse it under "auto"."""
+    if state is None or isinstance(state, dist.ProcessGroup) or \
+            type(state).__module__.startswith("tribucket."):
+        return
+    which = "bucket_cap_mb" if config.bucket_cap_mb == "auto" else "first_bucket_cap_mb"
+    raise ValueError(
+        f"cannot register {hook_name(hook)} with {which}='auto': its state "
+        f"({type(state).__name__}) may be kept per bucket (as PowerSGD's error feedback is), "
+        "and 'auto' changes the buckets during the first steps. Pass a number for "
+        f"{which} (run once with 'auto' and the default hook, and read "
+        "reducer.logging_data()['autotune_bucket_cap_mb'])")
+
+
 def fused_bucketing(model: nn.Module, process_group: dist.ProcessGroup | None = None, *,
-                    bucket_cap_mb: float | None = None,
-                    first_bucket_cap_mb: float | None = None,
+                    bucket_cap_mb: float | str | None = None,
+                    first_bucket_cap_mb: float | str | None = None,
                     gradient_as_bucket_view: bool = False,
                     find_unused_parameters: bool = False,
                     static_graph: bool = False,

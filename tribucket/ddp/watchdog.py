@@ -100,7 +100,7 @@ def _is_store_trace(line: str) -> bool:
 # Reducers are created in the same order on every rank, so this names them consistently.
 _REDUCER_SEQ = itertools.count()
 
-_KINDS = {"bucket": 1, "status": 2, "rebuild": 3, "buffers": 4, "join": 5}
+_KINDS = {"bucket": 1, "status": 2, "rebuild": 3, "buffers": 4, "join": 5, "autotune": 6}
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.uint8, torch.bool, torch.int8, torch.int16, torch.complex64,

@@ -1,0 +1,183 @@
+"""``bucket_cap_mb="auto"`` against fixed caps: step time on gloo CPU processes, one run.
+
+Two ranks (one intra-op thread each) train the same model on the same data with:
+
+* ``cap <N>``         ``fused_bucketing(bucket_cap_mb=N)`` for N in 1, 2, 5, 10, 50, 100 MiB
+* ``default``         no options: 25 MiB buckets, on the CPU a first bucket as large
+* ``default first 1``  ``first_bucket_cap_mb=1``: DDP's small first bucket (the GPU default)
+* ``auto``            ``bucket_cap_mb="auto"``
+* ``auto both``       ``bucket_cap_mb="auto", first_bucket_cap_mb="auto"``
+
+The "auto" variants first train alone until their tuning is done (the steps it took are
+reported); then every variant runs round-robin, one step each per round, so drift in
+machine load hits all alike. The figure is the median over rounds of rank 0's step time
+(zero_grad + forward + backward + SGD step). Models: ``perf/bench_step.py``'s MLP and
+transformer, and ``small``: 2048 parameter tensors of 64 floats (host cost per parameter).
+
+    python perf/bench_autotune.py                 # writes perf/results/autotune.{json,md,png}
+    python perf/bench_autotune.py --rounds 5      # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench import (bar_plot, close_worker, init_worker, round_robin,  # noqa: E402
+                    spawn_measure)
+from bench_step import make_model as step_model  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+FIXED = {"cap 1": 1, "cap 2": 2, "cap 5": 5, "cap 10": 10, "cap 50": 50, "cap 100": 100}
+VARIANTS = list(FIXED) + ["default", "default first 1", "auto", "auto both"]
+OPTIONS = {**{k: dict(bucket_cap_mb=v) for k, v in FIXED.items()},
+           "default": {}, "default first 1": dict(first_bucket_cap_mb=1),
+           "auto": dict(bucket_cap_mb="auto"),
+           "auto both": dict(bucket_cap_mb="auto", first_bucket_cap_mb="auto")}
+
+
+class _Small(nn.Module):
+    """2048 parameter tensors of 64 floats: the host cost per parameter dominates."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.ParameterList(nn.Parameter(torch.randn(64) * 0.1) for _ in range(2048))
+
+    def forward(self, x):
+        for w in self.w:
+            x = x + w
+        return x
+
+
+def make_model(name: str):
+    if name == "small":
+        torch.manual_seed(0)
+        return _Small(), torch.randn(8, 64)
+    return step_model(name)
+
+
+def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warmup: int,
+            out_path: str, variants: list) -> None:
+    init_worker(rank, world, port)
+    import tribucket
+
+    steps = {}
+    for name in variants:
+        model, x = make_model(model_name)
+        reducer = tribucket.Reducer(model, **OPTIONS[name])
+        steps[name] = (model, x, torch.optim.SGD(model.parameters(), lr=1e-4), reducer)
+
+    def run(name):
+        model, x, opt, _ = steps[name]
+        opt.zero_grad(set_to_none=True)
+        model(x).float().square().mean().backward()
+        opt.step()
+
+    tuning = {}
+    for name in [v for v in ("auto", "auto both") if v in steps]:
+        tuner, t0, n = steps[name][3]._bw.tuner, time.perf_counter(), 0
+        while not tuner.done:
+            run(name)
+            n += 1
+        tuning[name] = dict(steps=n, seconds=time.perf_counter() - t0,
+                            **steps[name][3].logging_data())
+    times = round_robin(run, variants, rounds, warmup)
+    if rank == 0:
+        model = steps[variants[0]][0]
+        out = {
+            "model": model_name,
+            "params": sum(p.numel() for p in model.parameters()),
+            "tensors": len(list(model.parameters())),
+            "grad_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+            "median_s": {k: statistics.median(v) for k, v in times.items()},
+            "all_s": times,
+            "buckets": {k: steps[k][3].stats.buckets for k in variants},
+            "tuning": tuning,
+        }
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+    close_worker(r for *_, r in steps.values())
+
+
+def measure(model_name: str, rounds: int, warmup: int, variants: list = VARIANTS) -> dict:
+    return spawn_measure(_worker, RESULTS / f".autotune_{model_name}.json", model_name,
+                         rounds, warmup, 2, list(variants))
+
+
+def table(results: list[dict], meta: dict) -> str:
+    load = meta["loadavg"]
+    lines = [f"Training step (forward, backward, SGD), 2 gloo ranks x 1 intra-op thread on a "
+             f"{meta['cpus']}-CPU {meta['machine']} machine, torch {meta['torch']}; median of "
+             f"{meta['rounds']} rounds after {meta['warmup']} warm-up, variants interleaved "
+             f"(the auto variants tuned first); 1-min load average {load[0]:.2f} at the start, "
+             f"{meta['load_end'][0]:.2f} at the end.", "",
+             "| model | variant | step (ms) | vs best fixed | vs default | buckets |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    verdicts = []
+    for res in results:
+        med = res["median_s"]
+        fixed = [v for v in VARIANTS if not v.startswith("auto")]
+        best = min(fixed, key=med.__getitem__)
+        label = f"{res['model']} ({res['tensors']} tensors, {res['grad_mib']:.1f} MiB)"
+        for v in VARIANTS:
+            lines.append(f"| {label} | {v} | {med[v] * 1e3:.1f} | {med[v] / med[best]:.2f}× | "
+                         f"{med[v] / med['default']:.2f}× | {res['buckets'][v]} |")
+        for v in ("auto", "auto both"):
+            t = res["tuning"][v]
+            verdicts.append(
+                f"{res['model']} {v}: {med[v] / med[best]:.2f}x the best fixed ({best}), "
+                f"{med[v] / med['default']:.2f}x the default; tuned in {t['steps']} steps "
+                f"({t['seconds']:.1f} s), candidates (cap/first MiB) "
+                f"{t['autotune_candidates_mb']}, median step ns (max over ranks) "
+                f"{t['autotune_median_step_ns']}, chose {t['autotune_bucket_cap_mb']}/"
+                f"{t['autotune_first_bucket_cap_mb']} MiB")
+    lines += ["", "Tuning:", ""] + [f"- {v}" for v in verdicts]
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: pathlib.Path) -> None:
+    colors = ["#c6dbef"] * len(FIXED) + ["#1f77b4", "#6baed6", "#d62728", "#ff9896"]
+    bar_plot(results, VARIANTS, colors, "{model}: 2 gloo ranks, 1 thread each", path)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="mlp,transformer,small")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--render", action="store_true",
+                   help="re-make autotune.md and .png from autotune.json without measuring")
+    args = p.parse_args(argv)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        data = json.loads((RESULTS / "autotune.json").read_text())
+    else:
+        loadavg = list(os.getloadavg())
+        results = []
+        for name in args.models.split(","):
+            t0 = time.time()
+            results.append(measure(name, args.rounds, args.warmup))
+            print(f"{name}: {time.time() - t0:.0f}s", file=sys.stderr)
+        meta = {"torch": torch.__version__, "machine": platform.machine(),
+                "cpus": os.cpu_count(), "rounds": args.rounds, "warmup": args.warmup,
+                "loadavg": loadavg, "load_end": list(os.getloadavg())}
+        data = {"meta": meta, "results": results}
+        (RESULTS / "autotune.json").write_text(json.dumps(data, indent=1))
+    md = table(data["results"], data["meta"])
+    (RESULTS / "autotune.md").write_text(md + "\n")
+    plot(data["results"], RESULTS / "autotune.png")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

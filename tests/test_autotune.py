@@ -1,0 +1,203 @@
+"""bucket_cap_mb="auto": DDP's gradients at every step while the caps are tried, one choice
+on every rank (under per-rank jitter), the choice reported and kept across a resume, and the
+options it refuses."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import tribucket
+from tribucket.ddp import autotune
+from models import batch, build, loss_of
+
+# caps scaled to the test models (a few KiB of gradients): 1, 4 KiB and one bucket
+SMALL_CAPS = dict(BUCKET_CAPS_MB=(0.001, 0.004, 0.1), FIRST_CAPS_MB=(None, 0.0005))
+STEPS_PER_CANDIDATE = autotune.VISITS * (autotune.WARMUP_STEPS + autotune.MEASURED_STEPS)
+
+
+@contextlib.contextmanager
+def _small_caps():
+    old = {k: getattr(autotune, k) for k in SMALL_CAPS}
+    for k, v in SMALL_CAPS.items():
+        setattr(autotune, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(autotune, k, v)
+
+
+def _tuning_steps(n_candidates: int) -> int:
+    return 1 + n_candidates * STEPS_PER_CANDIDATE  # the rebuild's step, then the schedule
+
+
+def _train_against_ddp(name, tb_kwargs, penalty=None, jitter=0.0):
+    """Train under "auto" and under DDP on the same data, comparing every step; ``penalty``:
+    seconds added per candidate on this rank, ``jitter``: random per-rank noise."""
+    rank = dist.get_rank()
+    mine, theirs = build(name, seed=rank), build(name, seed=rank)
+    ddp = DDP(theirs, bucket_cap_mb=25)
+    opt_a = torch.optim.SGD(mine.parameters(), lr=0.05, momentum=0.9)
+    opt_b = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9)
+    rng = random.Random(rank)
+    layouts = []
+    with _small_caps(), tribucket.fused_bucketing(mine, **tb_kwargs) as reducer:
+        tuner = reducer._bw.tuner
+        tuner.noise = lambda: (rng.random() * jitter
+                               + (penalty[rank][tuner.current] if penalty else 0.0))
+        step = 0
+        while not tuner.done:
+            assert step < 60, "tuning did not finish"
+            x = batch(name, rank, step)
+            loss_of(mine(x)).backward()
+            loss_of(ddp(x)).backward()
+            for (n, a), b in zip(mine.named_parameters(), theirs.parameters()):
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7,
+                                           msg=lambda m: f"step {step} {n}: {m}")
+            layouts.append(reducer.layout.bucket_indices())
+            opt_a.step(); opt_b.step()
+            opt_a.zero_grad(); opt_b.zero_grad()
+            step += 1
+        for (n, a), b in zip(mine.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        return dict(steps=step, layouts=layouts, layout=reducer.layout.bucket_indices(),
+                    log=reducer.logging_data(), candidates=list(tuner.candidates),
+                    choice=tuner.choice, medians=tuner.medians, state=reducer.state_dict())
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("mlp", dict(bucket_cap_mb="auto")),
+    ("transformer", dict(bucket_cap_mb="auto", first_bucket_cap_mb="auto",
+                         gradient_as_bucket_view=True)),
+    ("mlp", dict(bucket_cap_mb="auto", static_graph=True)),  # rebuilt after 2 steps
+])
+def test_auto_matches_ddp_while_tuning_and_ends_alike_on_every_rank(dist_run, name, kwargs):
+    results = dist_run(_train_against_ddp, name, kwargs, None, 0.002)
+    r0 = results[0]
+    n = len(r0["candidates"])
+    assert n >= 3, r0["candidates"]
+    # done when the schedule is (no extra steps)
+    assert r0["steps"] == _tuning_steps(n) + int(kwargs.get("static_graph", False))
+    assert len({tuple(map(tuple, layout)) for layout in r0["layouts"]}) >= 2  # it re-laid
+    for r in results:  # the same figures and choice, hence the same layout, on every rank
+        assert r["layout"] == r0["layout"] and r["choice"] == r0["choice"]
+        assert r["medians"] == r0["medians"]
+    log = r0["log"]
+    assert log["autotune_done"] == 1
+    assert log["autotune_bucket_cap_mb"] == round(r0["choice"][0] / 2**20, 4)
+    assert log["bucket_cap_bytes"] == r0["choice"][0]
+    assert len(log["autotune_candidates_mb"].split(", ")) == n
+    assert r0["state"]["autotune"]["choice"] == list(r0["choice"])
+
+
+def test_the_choice_is_the_fastest_on_the_slowest_rank(dist_run):
+    # alone, rank 0 would pick candidate 2 and rank 1 candidate 1; judged by the max over
+    # ranks both are 1 s slow, and every rank keeps candidate 0 (the default)
+    penalty = {0: [0.5, 1.0, 0.0], 1: [0.5, 0.0, 1.0]}
+    results = dist_run(_train_against_ddp, "mlp", dict(bucket_cap_mb="auto"), penalty)
+    r0 = results[0]
+    assert len(r0["candidates"]) == 3, r0["candidates"]
+    for r in results:
+        assert r["choice"] == r0["candidates"][0] and r["layout"] == r0["layout"]
+        assert r["medians"] == r0["medians"]
+    assert r0["medians"][1] > 1.0 and r0["medians"][2] > 1.0 and r0["medians"][0] < 1.0
+
+
+def _resume(state):
+    rank = dist.get_rank()
+    model = build("mlp", seed=rank)
+    with _small_caps(), tribucket.fused_bucketing(model, bucket_cap_mb="auto") as reducer:
+        reducer.load_state_dict(state)
+        tuner = reducer._bw.tuner
+        for step in range(3):
+            loss_of(model(batch("mlp", rank, step))).backward()
+        return dict(done=tuner.done, relayouts=tuner.relayouts, choice=tuner.choice,
+                    layout=reducer.layout.bucket_indices(), log=reducer.logging_data())
+
+
+def _tune_then_resume():
+    r = _train_against_ddp("mlp", dict(bucket_cap_mb="auto"),
+                           {0: [0.5, 0.5, 0.0], 1: [0.5, 0.5, 0.0]})  # candidate 2 wins
+    return r, _resume(r["state"])
+
+
+def test_a_resumed_run_keeps_the_choice_without_tuning(dist_run):
+    for tuned, resumed in dist_run(_tune_then_resume):
+        assert tuned["choice"] == tuned["candidates"][2] != tuned["candidates"][0]
+        assert resumed["done"] and resumed["relayouts"] == 0
+        assert resumed["choice"] == tuned["choice"]
+        assert resumed["layout"] == tuned["layout"]
+        assert resumed["log"]["autotune_bucket_cap_mb"] == tuned["log"]["autotune_bucket_cap_mb"]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(bucket_cap_mb="auto", shard_optimizer=True), "bucket_cap_mb='auto'.*shard_optimizer"),
+    (dict(first_bucket_cap_mb="auto", shard_optimizer=True), "first_bucket_cap_mb='auto'"),
+    (dict(bucket_cap_mb="auto", find_unused_parameters=True), "find_unused_parameters"),
+    (dict(bucket_cap_mb="fast"), "positive number of MiB or 'auto'"),
+])
+def test_refused_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tribucket.ReducerConfig(**kwargs)
+
+
+def test_static_graph_is_accepted():
+    assert tribucket.ReducerConfig(bucket_cap_mb="auto", find_unused_parameters=True,
+                                   static_graph=True).autotune
+
+
+def _powersgd_refused():
+    model = build("mlp", seed=0)
+    with tribucket.fused_bucketing(model, bucket_cap_mb="auto") as reducer:
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                       start_powerSGD_iter=2)
+        try:
+            reducer.register_comm_hook(state, powersgd.powerSGD_hook)
+        except ValueError as e:
+            return str(e)
+        return None
+
+
+def test_a_hook_with_per_bucket_state_is_refused(dist_run):
+    for msg in dist_run(_powersgd_refused):
+        assert msg is not None and "bucket_cap_mb='auto'" in msg and "PowerSGD" in msg
+
+
+def _uneven_inputs_while_tuning():
+    """Rank 1 runs out of data mid-schedule: its Join shadow passes step the schedule with
+    the others (same collectives, same choice); parameters as DDP's join."""
+    from torch.distributed.algorithms.join import Join
+
+    rank = dist.get_rank()
+    mine, theirs = build("mlp", seed=rank), build("mlp", seed=rank)
+    ddp = DDP(theirs, bucket_cap_mb=25)
+    opt_a = torch.optim.SGD(mine.parameters(), lr=0.05)
+    opt_b = torch.optim.SGD(theirs.parameters(), lr=0.05)
+    n = 24 if rank == 0 else 6
+    with _small_caps(), tribucket.fused_bucketing(mine, bucket_cap_mb="auto") as reducer:
+        with reducer.join():
+            for step in range(n):
+                loss_of(mine(batch("mlp", rank, step))).backward()
+                opt_a.step(); opt_a.zero_grad()
+        with Join([ddp]):
+            for step in range(n):
+                loss_of(ddp(batch("mlp", rank, step))).backward()
+                opt_b.step(); opt_b.zero_grad()
+        for a, b in zip(mine.parameters(), theirs.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        tuner = reducer._bw.tuner
+        return dict(done=tuner.done, choice=tuner.choice, layout=reducer.layout.bucket_indices(),
+                    n=len(tuner.candidates))
+
+
+def test_uneven_inputs_while_tuning(dist_run):
+    r0, r1 = dist_run(_uneven_inputs_while_tuning)
+    assert r0["n"] == 3 and r0["done"] and r1["done"]  # 1 + 3 x 6 = 19 steps < 24
+    assert r0["choice"] == r1["choice"] and r0["layout"] == r1["layout"]

@@ -1,0 +1,238 @@
+"""``bucket_cap_mb="auto"`` / ``first_bucket_cap_mb="auto"``: measure a few caps after the
+rebuild and keep the fastest, the same on every rank.
+
+The schedule. The candidates are bucket caps of 1, 4, 25 and 100 MiB (those at or above
+the model's gradient bytes give one bucket: only the smallest of them is kept) and, for the
+first bucket, no separate first cap (the bucket cap) and 1 MiB / 256 KiB (with both options
+"auto", the small first buckets are tried under the default 25 MiB cap only: at most 6
+candidates); the default layout (the caps a run without "auto" would use) comes
+first, and candidates that give the same layout in the rebuild's order are tried once. The first candidate is the layout of
+the rebuild itself. The candidates are visited in order, then in reverse order (A B C C B A:
+a load that drifts during the search weighs on each alike; measured one after the other, the
+first candidate took the blame for a machine that was busier at the start); each visit runs
+:data:`WARMUP_STEPS` step, not measured (new buffers, cold caches), then
+:data:`MEASURED_STEPS` measured steps: 6 steps and 4 measurements per candidate.
+
+What is measured: per synchronised backward, from its start to every ``.grad`` averaged
+(``reducer.stats.backward_compute_s + comm_exposed_s``): the part of the step the layout
+changes. A rank reports each candidate's median (of 4).
+
+The decision: one all-reduce (MAX) of the per-candidate medians, so each candidate is judged
+by its slowest rank and every rank holds the same figures; the smallest wins, ties to the
+earlier candidate, and the default layout (the caps a plain run would use) is kept unless a
+candidate beats it by more than :data:`KEEP_DEFAULT_WITHIN` (timing noise must not move a
+run off the default for nothing). Same figures, same rule: the same choice on every rank.
+
+Where the layout changes: at the end of a backward pass, after every gradient is averaged and
+in ``.grad`` — the point where the one rebuild already happens — never during one. The
+gradients of every step are the average over ranks whatever the layout (a layout groups the
+same sums differently, it does not change them).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import AUTO, MiB, ReducerConfig
+
+__all__ = ["AutoTuner", "tuner_for", "WARMUP_STEPS", "MEASURED_STEPS", "VISITS",
+           "BUCKET_CAPS_MB", "FIRST_CAPS_MB"]
+
+#: steps run with a new candidate before measuring it (fresh buffers, cold caches)
+WARMUP_STEPS = 1
+#: measured steps per visit of a candidate
+MEASURED_STEPS = 2
+#: visits per candidate: in order, then in reverse order (A B C C B A), so that a load that
+#: drifts during the search weighs on every candidate alike
+VISITS = 2
+#: bucket caps tried by ``bucket_cap_mb="auto"``
+BUCKET_CAPS_MB = (1, 4, 25, 100)
+#: first-bucket caps tried by ``first_bucket_cap_mb="auto"`` (``None``: the bucket cap)
+FIRST_CAPS_MB = (None, 1, 0.25)
+#: the default layout is kept unless another is faster by more than this fraction
+KEEP_DEFAULT_WITHIN = 0.02
+
+
+class AutoTuner:
+    """The schedule, the measurements and the choice of one reducer's caps.
+
+    States: waiting for the rebuild -> measuring candidate ``current`` -> done (``choice``).
+    """
+
+    def __init__(self, config: ReducerConfig, policy: Any, default_caps: tuple[int, int]):
+        self.policy = policy
+        self.default_caps = default_caps            # what a plain run would use (bytes)
+        total = sum(p.numel() * p.element_size() for p in policy.params)
+        caps = [config.bucket_cap_bytes] if config.bucket_cap_mb != AUTO else \
+            _bounded([int(mb * MiB) for mb in BUCKET_CAPS_MB], total)
+        if config.first_bucket_cap_mb == AUTO:
+            firsts = [None if mb is None else int(mb * MiB) for mb in FIRST_CAPS_MB]
+        elif config.bucket_cap_mb == AUTO and config.first_bucket_cap_mb is not None:
+            firsts = [int(config.first_bucket_cap_mb * MiB)]
+        else:
+            firsts = [None]
+        #: (bucket cap, first-bucket cap) in bytes, in the order they are tried
+        self.candidates: list[tuple[int, int]] = []
+        both = config.bucket_cap_mb == AUTO and config.first_bucket_cap_mb == AUTO
+        for cap in caps:
+            # both "auto": the small first buckets are tried with the default cap only (a
+            # shorter schedule)
+            for first in firsts if not both or cap == default_caps[0] else firsts[:1]:
+                pair = (cap, cap if first is None else min(first, cap))
+                if pair not in self.candidates:
+                    self.candidates.append(pair)
+        if both:
+            for first in firsts[1:]:
+                pair = (default_caps[0], min(first, default_caps[0]))
+                if pair not in self.candidates:
+                    self.candidates.append(pair)
+        # the default is measured first (the rebuild's own layout); candidates with its
+        # layout are merged into it by _dedupe
+        if default_caps in self.candidates:
+            self.candidates.remove(default_caps)
+        self.candidates.insert(0, default_caps)
+        policy.caps = self.candidates[0]
+        self.samples: list[list[float]] = [[] for _ in self.candidates]
+        self.medians: list[float] | None = None     # max over ranks, after the decision
+        self.choice: tuple[int, int] | None = None  # the caps kept (done)
+        self.current = -1                           # candidate measured now (-1: waiting)
+        self.visit = 0                              # index into the visit order
+        self.steps = 0                              # steps run in the current visit
+        self.relayouts = 0                          # layouts changed after the rebuild
+        self.kept = False                           # a loaded layout, kept untuned
+        #: tests: ``noise()`` seconds added to each measurement (per-rank jitter)
+        self.noise = None
+
+    @property
+    def done(self) -> bool:
+        return self.choice is not None or self.kept
+
+    # ------------------------------------------------------------------ per step
+    def after_step(self, bw: Any, seconds: float | None) -> None:
+        """The end of a synchronised backward (``seconds``: its measure; ``None``: a Join
+        shadow pass, not measured). Every rank calls it at the same passes."""
+        if self.done or not bw.rebuilt:
+            return
+        if self.current < 0:
+            # the pass just finished ran on the initial layout and rebuilt it: start
+            self._dedupe(bw.layout.align_bytes)
+            self.current, self.visit, self.steps = 0, 0, 0
+            if len(self.candidates) == 1:  # one layout whatever the cap: nothing to measure
+                self.choice = self.policy.caps = self.candidates[0]
+            return
+        if seconds is not None and self.steps >= WARMUP_STEPS:
+            if self.noise is not None:
+                seconds += self.noise()
+            self.samples[self.current].append(seconds)
+        self.steps += 1
+        if self.steps < WARMUP_STEPS + MEASURED_STEPS:
+            return
+        n = len(self.candidates)
+        order = list(range(n)) + list(range(n - 1, -1, -1)) * (VISITS - 1)
+        if self.visit + 1 < len(order):
+            self.visit, self.steps = self.visit + 1, 0
+            if order[self.visit] != self.current:
+                self.current = order[self.visit]
+                self._relayout(bw, self.candidates[self.current])
+            return
+        self.choice = self._decide(bw)
+        if self.choice != self.candidates[self.current]:
+            self._relayout(bw, self.choice)
+        self.policy.caps = self.choice
+
+    def _dedupe(self, align_bytes: int) -> None:
+        """Keep one candidate per distinct layout (in the rebuild's order)."""
+        seen, keep = set(), []
+        for caps in self.candidates:
+            key = tuple(map(tuple, self.policy.relayout(caps, align_bytes).bucket_indices()))
+            if key not in seen:
+                seen.add(key)
+                keep.append(caps)
+        self.candidates, self.samples = keep, [[] for _ in keep]
+
+    def _relayout(self, bw: Any, caps: tuple[int, int]) -> None:
+        """Lay the buckets out again under ``caps``, between two steps (as the rebuild)."""
+        self.policy.caps = caps
+        bw.layout = self.policy.relayout(caps, bw.layout.align_bytes)
+        bw.allocate()
+        for bucket in bw.buckets:  # the averaged gradients, re-bucketed
+            bw.epilogue.finished(bucket.index)
+        self.relayouts += 1
+
+    def _decide(self, bw: Any) -> tuple[int, int]:
+        """Every rank's medians, max over ranks (one all-reduce), then the same rule."""
+        local = [statistics.median(s) if s else 0.0 for s in self.samples]
+        t = torch.tensor(local, dtype=torch.float64, device=bw.guard.device)
+        if bw.world_size > 1:
+            guard = bw.guard
+            guard.fingerprint("autotune", bw.passes, 0, t.numel(), t.dtype)
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=guard.group_arg(),
+                                   async_op=True)
+            guard.wait(work, "the bucket_cap_mb='auto' decision (all-reduce)", bw.passes)
+        medians = [v if v > 0 else float("inf") for v in t.tolist()]  # never measured
+        self.medians = medians
+        best = min(range(len(medians)), key=lambda i: (medians[i], i))
+        if medians[0] <= medians[best] * (1 + KEEP_DEFAULT_WITHIN):
+            best = 0  # the default
+        return self.candidates[best]
+
+    def adopt(self, saved: dict) -> None:
+        """A resumed run: take the saved choice (no tuning) or the saved schedule."""
+        self.policy.order = saved.get("order")
+        if saved.get("choice") is not None:
+            self.choice = tuple(saved["choice"])
+            self.candidates = [tuple(c) for c in saved["candidates"]]
+            self.medians = saved.get("medians")
+            self.policy.caps = self.choice
+
+    def adopt_layout(self) -> None:
+        """A resumed run from a checkpoint with a rebuilt layout and no tuning record: that
+        layout is kept, not tuned (its order is not saved)."""
+        self.kept = True
+
+    # ------------------------------------------------------------------ reporting
+    def state(self) -> dict | None:
+        """Plain values for ``state_dict()``."""
+        if self.policy.order is None:
+            return None
+        return dict(order=list(self.policy.order),
+                    candidates=[list(c) for c in self.candidates],
+                    medians=self.medians, choice=None if self.choice is None
+                    else list(self.choice))
+
+    def logging_data(self) -> dict[str, Any]:
+        """``logging_data()``'s fields: the candidates, their figures, the choice."""
+        mb = lambda b: round(b / MiB, 4)  # noqa: E731
+        return dict(
+            autotune_candidates_mb=", ".join(f"{mb(c)}/{mb(f)}" for c, f in self.candidates),
+            autotune_median_step_ns=None if self.medians is None else ", ".join(
+                str(round(m * 1e9)) if m != float("inf") else "-" for m in self.medians),
+            autotune_done=int(self.done),
+            autotune_bucket_cap_mb=None if self.choice is None else mb(self.choice[0]),
+            autotune_first_bucket_cap_mb=None if self.choice is None else mb(self.choice[1]),
+        )
+
+
+def tuner_for(config: ReducerConfig, policy: Any) -> AutoTuner | None:
+    """The tuner of a reducer whose config asks for one, else ``None``."""
+    if not config.autotune:
+        return None
+    plain = replace(config, bucket_cap_mb=None if config.bucket_cap_mb == AUTO
+                    else config.bucket_cap_mb,
+                    first_bucket_cap_mb=None if config.first_bucket_cap_mb == AUTO
+                    else config.first_bucket_cap_mb)
+    default = type(policy)(plain, policy.params, policy.expect_sparse)
+    cap = plain.bucket_cap_bytes
+    return AutoTuner(config, policy, (cap, min(default.first_cap_bytes(), cap)))
+
+
+def _bounded(caps: list[int], total: int) -> list[int]:
+    """``caps`` below ``total`` bytes, and the smallest at or above it (one bucket)."""
+    below = [c for c in caps if c < total]
+    above = [c for c in caps if c >= total]
+    return below + above[:1]
