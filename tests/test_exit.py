@@ -88,11 +88,15 @@ def main() -> None:
     for kind, hook, native in VARIANTS:
         name = f"{kind}, hook {hook}, {'native' if native == '1' else 'Python'} hooks"
         failed = []
+        tails = []
         for i in range(args.runs):
-            codes = [rc for rc, _ in run_once(kind, hook, native)]
+            out = run_once(kind, hook, native)
+            codes = [rc for rc, _ in out]
             if any(codes):
                 failed.append(codes)
-        counts[name] = {"runs": args.runs, "non_zero": len(failed), "codes": failed}
+                tails.append([tail for rc, tail in out if rc])  # (faulthandler's stacks)
+        counts[name] = {"runs": args.runs, "non_zero": len(failed), "codes": failed,
+                        "output_of_failed_ranks": tails}
         print(f"{name}: {len(failed)} of {args.runs} runs exited non-zero {failed}",
               flush=True)
     with open(os.getloadavg and "/proc/loadavg") as f:

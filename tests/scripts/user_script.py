@@ -10,6 +10,7 @@ the script ends with a collective of its own and ``destroy_process_group()`` and
 ``gc.collect()``: exit status 0 is what must come out.
 """
 
+import faulthandler
 import sys
 
 import torch
@@ -20,6 +21,7 @@ import tribucket
 from tribucket.moe import MoELayer
 
 kind, hook, native = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+faulthandler.enable(all_threads=True)  # an abort at exit prints the Python threads' stacks
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
