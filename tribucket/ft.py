@@ -31,8 +31,6 @@ torchft is imported here only, and only when a managed reducer is built.
 
 from __future__ import annotations
 
-import queue
-import threading
 import weakref
 from typing import Any, Callable
 
@@ -41,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import hooks as _hooks
+from .comm.waiter import completed_by_waiter
 from ._tags import is_expert_parallel
 from .ddp.reducer import Reducer
 from .ddp.rebuild import DDP_ALIGN_BYTES, LayoutPolicy
@@ -162,34 +161,11 @@ class _ManagerAllreduce:
 # torchft's work builds its callback chain (the division, the error handling, the timeout)
 # lazily, when wait() is called, and only wait() after the collective completed runs that
 # chain correctly (chaining it while the collective is in flight fails in torchft 0.2.0's
-# _ManagedWork). So one daemon thread waits on the works, in the order they were launched,
-# and completes a plain torch Future with the bucket: the backward pass never waits, and the
-# reducer waits for these futures at the end of backward as for any comm hook's.
-_queue: "queue.SimpleQueue | None" = None
-_queue_lock = threading.Lock()
-
-
-def _waiter(q: "queue.SimpleQueue") -> None:
-    while True:
-        work, buf, fut = q.get()
-        try:
-            work.wait()  # a torchft work reports its error to the manager and returns False
-            fut.set_result(buf)
-        except Exception as e:  # noqa: BLE001 - delivered to the reducer waiting on fut
-            fut.set_exception(e)
-        del work, buf, fut
-
-
+# _ManagedWork). So the works are waited on by tribucket's waiter thread, in launch order,
+# which completes a plain torch Future with the bucket: the backward pass never waits, and
+# the reducer waits for these futures at the end of backward as for any comm hook's.
 def _completed_by_waiter(work: Any, buf: torch.Tensor) -> torch.futures.Future:
-    global _queue
-    with _queue_lock:
-        if _queue is None:
-            _queue = queue.SimpleQueue()
-            threading.Thread(target=_waiter, args=(_queue,), daemon=True,
-                             name="tribucket-ft-waiter").start()
-    fut: torch.futures.Future = torch.futures.Future()
-    _queue.put((work, buf, fut))
-    return fut
+    return completed_by_waiter([work], lambda: buf)
 
 
 class _StateSlot:

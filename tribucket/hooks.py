@@ -9,13 +9,13 @@ into the same pass, so no full-precision copy of the bucket exists on that path.
 object with a ``process_group`` attribute (:class:`CompressionState`, :class:`GossipState`).
 """
 
-import queue
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from .comm.waiter import completed_by_waiter
 
 __all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "noop_hook",
            "gossip_hook", "CompressionState", "GossipState"]
@@ -264,31 +264,7 @@ def gossip_hook(state: GossipState, bucket) -> torch.futures.Future[torch.Tensor
     return _p2p_future(works, lambda: buf.add_(recv).mul_(0.5))
 
 
-# gloo's point-to-point Work has no get_future(): one daemon thread waits on such works, in
-# the order they were issued, and completes a Future for each batch.
-_p2p_queue: "queue.SimpleQueue | None" = None
-_p2p_lock = threading.Lock()
-
-
-def _p2p_waiter(q: "queue.SimpleQueue") -> None:
-    while True:
-        works, fut, then = q.get()
-        try:
-            for w in works:
-                w.wait()
-            fut.set_result(then())
-        except Exception as e:  # noqa: BLE001 - delivered to whoever waits on the future
-            fut.set_exception(e)
-
-
 def _p2p_future(works: list, then: Callable[[], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
-    """A Future completed with ``then()`` once every point-to-point work has finished."""
-    global _p2p_queue
-    with _p2p_lock:
-        if _p2p_queue is None:
-            _p2p_queue = queue.SimpleQueue()
-            threading.Thread(target=_p2p_waiter, args=(_p2p_queue,), daemon=True,
-                             name="tribucket-p2p").start()
-    fut: torch.futures.Future = torch.futures.Future()
-    _p2p_queue.put((works, fut, then))
-    return fut
+    """A Future completed with ``then()`` once every point-to-point work has finished (gloo's
+    point-to-point Work has no ``get_future()``)."""
+    return completed_by_waiter(works, then)
