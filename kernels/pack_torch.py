@@ -55,6 +55,24 @@ _ALIGN_MIN = 1 << 12
 _NoneType = type(None)
 _HAS_CHUNK_CAT = hasattr(torch, "_chunk_cat")
 
+#: Dtypes CUDA's ``_amp_foreach_non_finite_check_and_unscale_`` has kernels for (torch 2.11
+#: on an H200 raised "not implemented for 'BFloat16'").
+_AMP_CHECK_DTYPES = (torch.float32, torch.float16)
+
+#: 16-bit floats copied as integers off the CPU: CUDA's ``_foreach_copy_`` goes through
+#: float32 for them, which quiets signalling NaNs (seen on an H200, torch 2.11).
+_BITS16 = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def _copy_all(dsts: list, srcs: list, buffer: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for every pair, bit-exact when the dtypes match."""
+    as_int = _BITS16.get(buffer.dtype)
+    if (as_int is not None and buffer.device.type != "cpu"
+            and all(d.dtype == buffer.dtype for d in dsts)):
+        dsts = [d.view(as_int) for d in dsts]
+        srcs = [s.view(as_int) for s in srcs]
+    torch._foreach_copy_(dsts, srcs)
+
 
 # ---------------------------------------------------------------------------------------
 # Runs, gathers and views
@@ -307,10 +325,14 @@ class _TorchPath:
             self._flag_nonfinite(pieces, sums, found_inf)
 
     def _flag_nonfinite(self, pieces: list, sums, found_inf) -> None:
-        if self.device.type != "cpu":  # no host sync: torch's AMP check (multiplies by 1)
-            one = torch.ones((), device=self.device)
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                [v1 for _, v1, _ in pieces], found_inf, one)
+        if self.device.type != "cpu":  # no host sync
+            vs = [v1 for _, v1, _ in pieces]
+            if vs and vs[0].dtype in _AMP_CHECK_DTYPES:  # torch's AMP check (multiplies by 1)
+                one = torch.ones((), device=self.device)
+                torch._amp_foreach_non_finite_check_and_unscale_(vs, found_inf, one)
+            elif vs:  # bfloat16: CUDA's AMP check has no kernel for it
+                bad = torch.stack([v.isfinite().all() for v in vs]).logical_not().any()
+                torch.maximum(found_inf, bad.to(found_inf.dtype), out=found_inf)
             return
         if not sums:
             return
@@ -357,7 +379,7 @@ class _TorchPath:
             dtypes = set(map(operator.attrgetter("dtype"), dsts))
         c = compute_dtype(buffer.dtype, *(dtypes or ()))
         if not accumulate and scale == 1.0:
-            torch._foreach_copy_(dsts, srcs)  # a copy, or one rounding cast
+            _copy_all(dsts, srcs, buffer)  # a copy, or one rounding cast
         elif dtypes == {c}:  # the destinations hold the compute dtype
             if accumulate and scale == 1.0:
                 torch._foreach_add_(dsts, srcs)
