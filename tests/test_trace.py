@@ -411,3 +411,61 @@ def test_moe_phases_are_traced(dist_run, tmp_path):
     path = dist_run(_traced_training, str(tmp_path), True, world_size=2)[0][1]
     names = {e["name"] for e in trace.load(path)["traceEvents"] if e.get("ph") == "X"}
     assert {"moe.counts", "moe.dispatch", "moe.combine", "backward"} <= names, names
+
+
+class _TickEvent:
+    """A stand-in CUDA event on a CPU machine: each record() reads a global counter (one
+    tick = 1 ms), so events order as they were recorded, whichever thread records them."""
+
+    _ticks = __import__("itertools").count(1)
+
+    def record(self, stream=None):
+        self.t = float(next(_TickEvent._ticks))
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+def _device_traced(path):
+    """The test MLP traced with device spans forced on (stand-in events): the spans the
+    reducer records for a CUDA model, on gloo."""
+    import tribucket
+    from models import batch, build, loss_of
+
+    tr = Tracer(path)
+    tr.device_spans, tr._event_factory = True, _TickEvent
+    model = build("mlp")
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, trace=tr) as reducer:
+        for step in range(2):
+            loss_of(model(batch("mlp", dist.get_rank(), step))).backward()
+            model.zero_grad()
+        n_buckets = len(reducer._bw.buckets)
+    return reducer.trace_path, n_buckets
+
+
+@pytest.mark.dist
+def test_reducer_records_device_spans_per_bucket(dist_run, tmp_path):
+    """Where the buckets live on a GPU the reducer adds, per bucket, the pack and unpack on
+    the device lane and the collective on the device comm lane (launch event -> event
+    recorded when its future completes), in the order the stream runs them."""
+    (path, n_buckets), _ = dist_run(_device_traced, str(tmp_path), world_size=2)
+    doc = trace.load(path)
+    trace.validate(doc)
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"]
+             if e.get("ph") == "M" and e["name"] == "thread_name"}
+    last = max(e["args"]["step"] for e in doc["traceEvents"] if e.get("name") == "backward")
+    for pid in (0, 1):  # the last step: after the rebuild, every bucket of the layout
+        dev = {(lanes[(pid, e["tid"])], e["name"]): e for e in doc["traceEvents"]
+               if e.get("ph") == "X" and e["pid"] == pid and e["args"].get("step") == last
+               and lanes[(pid, e["tid"])] in (trace.DEVICE, trace.DEVICE_COMM)}
+        assert len(dev) == 3 * n_buckets, sorted(dev)
+        for b in range(n_buckets):
+            pack = dev[(trace.DEVICE, f"bucket{b}.pack")]
+            coll = dev[(trace.DEVICE_COMM, f"bucket{b}.allreduce")]
+            unpack = dev[(trace.DEVICE, f"bucket{b}.unpack")]
+            assert pack["ts"] + pack["dur"] <= coll["ts"] < coll["ts"] + coll["dur"]
+            assert coll["ts"] + coll["dur"] <= unpack["ts"]  # the callback ran before the wait
+            assert coll["args"]["bytes"] == pack["args"]["bytes"] > 0

@@ -331,7 +331,10 @@ class Backward:
         for bucket, result in zip(self.buckets, results):
             stats = epi.fused_stats(bucket.index)
             if tr is not None:
-                rec = tr.begin(f"bucket{bucket.index}.unpack", args={"bucket": bucket.index})
+                args = {"bucket": bucket.index}
+                rec = tr.begin(f"bucket{bucket.index}.unpack", args=args)
+                dev = tr.device_begin(f"bucket{bucket.index}.unpack", args=args) \
+                    if tr.on_device(bucket.params[0]) else None
             if global_used is None:
                 filled = bucket.finish(result, bucket.targets_all, True, stats)
             else:
@@ -339,6 +342,8 @@ class Backward:
                                        stats)
             if tr is not None:
                 tr.end(rec)
+                if dev is not None:
+                    tr.device_end(dev)
             epi.finished(bucket.index, stats if filled else None)
         done = time.perf_counter()
         if tr is not None:

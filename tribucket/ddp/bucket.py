@@ -317,19 +317,24 @@ class DenseBucket(_BucketBase):
         what it accumulated. ``zeros``: a Join shadow pass, the whole bucket is zeros."""
         tr = self.tracer = comm.tracer
         if tr is not None:
-            rec = tr.begin(f"bucket{self.index}.pack", args={"bucket": self.index,
-                                                             "bytes": self.wire_bytes()})
+            args = {"bucket": self.index, "bytes": self.wire_bytes()}
+            rec = tr.begin(f"bucket{self.index}.pack", args=args)
+            dev = tr.device_begin(f"bucket{self.index}.pack", args=args) \
+                if tr.on_device(self.params[0]) else None
         if zeros:
             buf = self.mem.zeros()
         else:
             buf = self.mem.pack(list(map(_grad_of, self.params)), p.scale)
         if tr is not None:
             tr.end(rec)
+            if dev is not None:
+                tr.device_end(dev)
         self.communicate(p, comm, buf)
         if tr is not None:
-            self.trace_rec = tr.collective(
-                f"bucket{self.index}.allreduce", _futures_of(self.handle),
-                {"bucket": self.index, "bytes": self.wire_bytes()})
+            futs = _futures_of(self.handle)
+            self.trace_rec = tr.collective(f"bucket{self.index}.allreduce", futs, args)
+            if dev is not None:
+                tr.device_collective(f"bucket{self.index}.allreduce", futs, args)
 
     def wire_bytes(self) -> int:
         """The bucket's size on the wire (elements x the wire dtype's size)."""

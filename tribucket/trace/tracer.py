@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMM", "COMPUTE", "DEVICE", "ENV", "MOE", "Tracer", "current", "make_tracer"]
+__all__ = ["COMM", "COMPUTE", "DEVICE", "DEVICE_COMM", "ENV", "MOE", "Tracer", "current", "make_tracer"]
 
 #: the environment variable that turns tracing on: a directory the trace file is written to
 ENV = "TRIBUCKET_TRACE"
@@ -26,8 +26,9 @@ ENV = "TRIBUCKET_TRACE"
 COMPUTE = "compute"   # backward, pack, wait, unpack, epilogue, optimizer
 COMM = "comm"         # collectives in flight
 MOE = "moe"           # the MoE layer's phases
-DEVICE = "device"     # CUDA-event spans (device side)
-LANES = (COMPUTE, COMM, MOE, DEVICE)
+DEVICE = "device"     # CUDA-event spans on the compute stream (device side)
+DEVICE_COMM = "device comm"  # collectives in flight on the device (CUDA events)
+LANES = (COMPUTE, COMM, MOE, DEVICE, DEVICE_COMM)
 
 _now = time.perf_counter_ns
 _INSTANT = -1  # t1 of an instant
@@ -118,6 +119,9 @@ class Tracer:
         self.closed = False
         self.written: str | None = None   # the file close() wrote (rank 0)
         self._event_factory = None        # CUDA events (tests inject a fake)
+        #: device spans: None (the default) records them for CUDA tensors only (see
+        #: :meth:`on_device`); True/False forces them on/off
+        self.device_spans: bool | None = None
         _CURRENT = self
 
     # ------------------------------------------------------------------ steps
@@ -273,6 +277,39 @@ class Tracer:
         ev.record(stream) if stream is not None else ev.record()
         rec[3] = ev
 
+    def on_device(self, t: torch.Tensor) -> bool:
+        """Whether work on ``t`` gets device spans (CUDA tensors, unless
+        :attr:`device_spans` says otherwise)."""
+        return t.is_cuda if self.device_spans is None else self.device_spans
+
+    def device_collective(self, name: str, handle: Any, args: dict | None = None,
+                          lane: str = DEVICE_COMM) -> list:
+        """A collective's span on the device: from an event on the current stream at its
+        launch (the backend's stream waits for it) to one recorded when it completes there.
+
+        The end event is recorded in a ``then()`` callback of the collective's future (of
+        the last one, for a list): torch runs such a callback with current streams that
+        wait on the work's CUDA kernels, so the event completes when the collective does
+        on the device, with no host sync. Call right after the launch."""
+        rec = self.device_begin(name, lane, args)
+        if rec is _DROPPED:
+            return rec
+        rec[3] = None  # the end event comes from the callback
+        handles = handle if isinstance(handle, (list, tuple)) else (handle,)
+        try:
+            fut = handles[-1].get_future() if hasattr(handles[-1], "get_future") \
+                else handles[-1]
+        except Exception:  # a backend without futures: no device end
+            return rec
+
+        def _done(f, rec=rec):
+            ev = self._cuda_event()
+            ev.record()
+            rec[3] = ev
+
+        fut.then(_done)
+        return rec
+
     def _cuda_event(self):
         if self._event_factory is None:
             self._event_factory = functools.partial(torch.cuda.Event, enable_timing=True)
@@ -285,6 +322,8 @@ class Tracer:
         pending = [r for r in self.device_events if r[3] is not None]
         if not pending:
             return []
+        for r in pending:  # end events of collectives sit on other streams
+            r[3].synchronize()
         anchor = self._cuda_event()
         anchor.record()
         anchor.synchronize()
