@@ -44,7 +44,7 @@ class Step:
     env: tuple[tuple[str, str], ...] = ()
 
 
-def why_not(torch_module=None) -> str | None:
+def why_not(torch_module=None, import_module=None) -> str | None:
     """Why this machine cannot run the GPU check, or None when it can."""
     try:
         import torch
@@ -63,6 +63,13 @@ def why_not(torch_module=None) -> str | None:
         import triton  # noqa: F401
     except ImportError as e:
         return f"triton does not import ({e}): pip install 'tribucket[triton]'"
+    import importlib
+
+    try:  # kernels/ is installed as tribucket.kernels: a bare checkout does not have it
+        (import_module or importlib.import_module)("tribucket.kernels")
+    except ImportError as e:
+        return (f"tribucket.kernels does not import ({e}): install the checkout first "
+                f"(pip install --no-deps -e . , or make venv)")
     return None
 
 

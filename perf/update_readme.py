@@ -173,9 +173,55 @@ def headline() -> str:
     return "\n".join(lines) + f"\n\n{note}. Details and analysis: [docs/benchmarks.md](docs/benchmarks.md).\n"
 
 
+def gpu() -> str | None:
+    """The GPU run's figures (``make gpu-check`` into ``perf/results/gpu/``): the pack and
+    unpack kernels timed on the device, and the step table."""
+    d = RESULTS / "gpu"
+    if not (d / "pack.json").exists():
+        return None
+    pack = json.loads((d / "pack.json").read_text())
+    cuda = pack.get("cuda") or {}
+    cols = ("limit: copy_", "tribucket", "copy_ loop", "mul(out=) loop", "_foreach_copy_",
+            "torch.cat")
+    by: dict = {}
+    for r in cuda.get("rows", []):
+        by.setdefault((r["case"], r["op"]), {})[r["variant"]] = r["ms"] * 1e3
+    lines = [f"{cuda.get('device', 'GPU')}, torch {pack['torch']}, `triton.testing.do_bench` "
+             f"(median, CUDA events): microseconds per call (x the single-tensor `copy_` of "
+             f"the same bytes).", "",
+             "| bucket | op | " + " | ".join(c.replace("limit: ", "limit ") for c in cols) + " |",
+             "| --- | --- |" + " ---: |" * len(cols)]
+    for (case, op), v in by.items():
+        lim = v.get("limit: copy_")
+        cells = []
+        for c in cols:
+            if c not in v:
+                cells.append("-")
+            elif c == "limit: copy_" or not lim:
+                cells.append(f"{v[c]:.1f}")
+            else:
+                cell = f"{v[c]:.1f} ({v[c] / lim:.1f})"
+                cells.append(f"**{cell}**" if c == "tribucket" else cell)
+        lines.append(f"| {case} | {op} | " + " | ".join(cells) + " |")
+    out = "\n".join(lines) + "\n"
+    step = d / "step.md"
+    if step.exists():
+        table = [ln for ln in step.read_text().splitlines() if ln.startswith("|")]
+        first = step.read_text().splitlines()[0]
+        out += f"\n{first}\n\n" + "\n".join(table) + "\n"
+    summary = d / "summary.json"
+    if summary.exists():
+        note = json.loads(summary.read_text()).get("tests_result")
+        if note:
+            out += f"\nCUDA tests (`pytest -m \"cuda or compile\"`): {note}.\n"
+    return out
+
+
 def _body(name: str) -> str | None:
     if name == "headline":
         return headline()
+    if name == "gpu":
+        return gpu()
     md = RESULTS / f"{name}.md"
     if not md.exists():
         return None

@@ -39,6 +39,14 @@ def test_why_not_names_the_missing_piece():
     assert gpu_check.why_not(_fake_torch("12.4", True)) is None  # triton is installed here
 
 
+def test_why_not_names_a_checkout_that_is_not_installed():
+    def missing(name):
+        raise ModuleNotFoundError(f"No module named {name!r}")
+
+    reason = gpu_check.why_not(_fake_torch("12.4", True), import_module=missing)
+    assert "tribucket.kernels" in reason and "pip install --no-deps -e ." in reason
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU machine")
 def test_refuses_without_a_gpu_and_runs_nothing(tmp_path, capsys):
     assert gpu_check.main(["--out", str(tmp_path)]) == 2
