@@ -105,13 +105,15 @@ def api(n: int = 5000, rounds: int = 11) -> dict:
 
 # ------------------------------------------------------------------ step
 def _step_worker(rank: int, world: int, port: int, model_name: str, rounds: int, warmup: int,
-                 out_path: str, trace_dir: str) -> None:
-    init_worker(rank, world, port)
+                 out_path: str, trace_dir: str, backend: str = "gloo") -> None:
+    device = init_worker(rank, world, port, backend)
     import tribucket
 
+    cuda = device.type == "cuda"
     runs = {}
     for name in ("untraced", "traced"):
         m, x = make_model(model_name)
+        m, x = m.to(device), x.to(device)
         trace = (trace_dir or tempfile.mkdtemp()) if name == "traced" else False
         runs[name] = (m, x, torch.optim.SGD(m.parameters(), lr=1e-4),
                       tribucket.Reducer(m, trace=trace))
@@ -123,6 +125,8 @@ def _step_worker(rank: int, world: int, port: int, model_name: str, rounds: int,
             opt.zero_grad(set_to_none=True)
             m(x).square().mean().backward()
             opt.step()
+            if cuda:  # the step is over when the device is done with it
+                torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             if it >= warmup:
                 times[name].append(dt)
@@ -148,7 +152,9 @@ def markdown(res: dict) -> str:
     for v, ns in res["api"]["ns_per_bucket"].items():
         lines.append(f"| {v} | {ns:,.0f} | {res['api']['min_ns_per_bucket'][v]:,.0f} |")
     if res.get("step"):
-        lines += ["", f"Training step, 2 gloo ranks, `tribucket.Reducer` defaults, median of "
+        lines += ["", f"Training step, {meta.get('world', 2)} {meta.get('backend', 'gloo')} "
+                  f"rank(s){' (' + meta['device'] + ')' if meta.get('device') else ''}, "
+                  f"`tribucket.Reducer` defaults, median of "
                   f"{meta['rounds']} rounds after {meta['warmup']} warm-up, interleaved:", "",
                   "| model | buckets | untraced (ms) | traced (ms) | traced / untraced |",
                   "| --- | ---: | ---: | ---: | ---: |"]
@@ -182,17 +188,28 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--trace-dir", default="", help="also keep the traced run's trace here")
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                    help="nccl: one GPU a rank, device spans from CUDA events in the trace")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--out", default=str(RESULTS))
     a = ap.parse_args()
+    if a.backend == "nccl" and torch.cuda.device_count() < a.world:
+        sys.exit(f"--backend nccl --world {a.world} needs {a.world} GPUs; "
+                 f"{torch.cuda.device_count()} visible")
     res = {"meta": {"cpus": os.cpu_count(), "machine": platform.machine(),
                     "torch": torch.__version__, "loadavg": os.getloadavg(),
-                    "rounds": a.rounds, "warmup": a.warmup}}
+                    "rounds": a.rounds, "warmup": a.warmup, "backend": a.backend,
+                    "world": a.world,
+                    "device": torch.cuda.get_device_name(0) if a.backend == "nccl" else None}}
     res["api"] = api()
-    res["step"] = [spawn_measure(_step_worker, RESULTS / f".trace_{m}.json", m, a.rounds,
-                                 a.warmup, 2, a.trace_dir) for m in a.models]
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res["step"] = [spawn_measure(_step_worker, out / f".trace_{m}.json", m, a.rounds,
+                                 a.warmup, a.world, a.trace_dir, a.backend) for m in a.models]
     if a.no_save:
         print(markdown(res))
     else:
-        save(RESULTS, "trace", res, markdown, plot)
+        save(out, "trace", res, markdown, plot)
 
 
 if __name__ == "__main__":
