@@ -110,16 +110,24 @@ def _step_worker(rank: int, world: int, port: int, model_name: str, rounds: int,
     import tribucket
 
     cuda = device.type == "cuda"
+    names = ["untraced", "traced"] + (["traced, host only"] if cuda else [])
     runs = {}
-    for name in ("untraced", "traced"):
+    for name in names:
         m, x = make_model(model_name)
         m, x = m.to(device), x.to(device)
-        trace = (trace_dir or tempfile.mkdtemp()) if name == "traced" else False
+        trace = False
+        if name == "traced":
+            trace = trace_dir or tempfile.mkdtemp()
+        elif name == "traced, host only":  # no CUDA-event spans: what they cost
+            trace = Tracer(tempfile.mkdtemp())
+            trace.device_spans = False
         runs[name] = (m, x, torch.optim.SGD(m.parameters(), lr=1e-4),
                       tribucket.Reducer(m, trace=trace))
     times: dict = {k: [] for k in runs}
     for it in range(warmup + rounds):
-        for name, (m, x, opt, _) in runs.items():
+        k = it % len(names)  # each variant goes first as often as the others
+        for name in names[k:] + names[:k]:
+            m, x, opt, _ = runs[name]
             dist.barrier()
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
@@ -137,6 +145,8 @@ def _step_worker(rank: int, world: int, port: int, model_name: str, rounds: int,
         with open(out_path, "w") as f:
             json.dump({"model": model_name, "median_s": med, "all_s": times,
                        "ratio": med["traced"] / med["untraced"],
+                       "ratio_host_only": (med["traced, host only"] / med["untraced"]
+                                           if "traced, host only" in med else None),
                        "trace": runs["traced"][3].trace_path, "buckets": buckets}, f)
 
 
@@ -161,6 +171,11 @@ def markdown(res: dict) -> str:
         for s in res["step"]:
             lines.append(f"| {s['model']} | {s['buckets']} | {s['median_s']['untraced'] * 1e3:.1f}"
                          f" | {s['median_s']['traced'] * 1e3:.1f} | {s['ratio']:.3f}× |")
+            if s.get("ratio_host_only"):
+                lines.append(f"| {s['model']}, host spans only | {s['buckets']} | "
+                             f"{s['median_s']['untraced'] * 1e3:.1f} | "
+                             f"{s['median_s']['traced, host only'] * 1e3:.1f} | "
+                             f"{s['ratio_host_only']:.3f}× |")
     return "\n".join(lines) + "\n"
 
 
