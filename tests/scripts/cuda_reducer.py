@@ -104,8 +104,12 @@ def main(out_dir: str) -> None:
             result[f"{name} {label}"] = {"bit_identical": same, "max_abs_diff": diff}
 
     # traced: device spans from CUDA events next to the host spans
+    from tribucket.trace import Tracer
+
     model = build("mlp").cuda()
-    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, trace=str(out)) as reducer:
+    tracer = Tracer(str(out))
+    tracer.device_spans = True  # (TRIBUCKET_TRACE_DEVICE=1 does the same)
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, trace=tracer) as reducer:
         for step in range(STEPS):
             loss_of(model(batch("mlp", 0, step).cuda())).backward()
             model.zero_grad()

@@ -333,8 +333,9 @@ class Backward:
             if tr is not None:
                 args = {"bucket": bucket.index}
                 rec = tr.begin(f"bucket{bucket.index}.unpack", args=args)
-                dev = tr.device_begin(f"bucket{bucket.index}.unpack", args=args) \
-                    if tr.on_device(bucket.params[0]) else None
+                stream = tr.on_device(bucket.params[0])
+                dev = None if stream is None else tr.device_begin(
+                    f"bucket{bucket.index}.unpack", args=args, stream=stream)
             if global_used is None:
                 filled = bucket.finish(result, bucket.targets_all, True, stats)
             else:
@@ -343,7 +344,7 @@ class Backward:
             if tr is not None:
                 tr.end(rec)
                 if dev is not None:
-                    tr.device_end(dev)
+                    tr.device_end(dev, stream)
             epi.finished(bucket.index, stats if filled else None)
         done = time.perf_counter()
         if tr is not None:

@@ -319,8 +319,9 @@ class DenseBucket(_BucketBase):
         if tr is not None:
             args = {"bucket": self.index, "bytes": self.wire_bytes()}
             rec = tr.begin(f"bucket{self.index}.pack", args=args)
-            dev = tr.device_begin(f"bucket{self.index}.pack", args=args) \
-                if tr.on_device(self.params[0]) else None
+            stream = tr.on_device(self.params[0])
+            dev = None if stream is None else tr.device_begin(
+                f"bucket{self.index}.pack", args=args, stream=stream)
         if zeros:
             buf = self.mem.zeros()
         else:
@@ -328,13 +329,14 @@ class DenseBucket(_BucketBase):
         if tr is not None:
             tr.end(rec)
             if dev is not None:
-                tr.device_end(dev)
+                tr.device_end(dev, stream)
         self.communicate(p, comm, buf)
         if tr is not None:
             futs = _futures_of(self.handle)
             self.trace_rec = tr.collective(f"bucket{self.index}.allreduce", futs, args)
             if dev is not None:
-                tr.device_collective(f"bucket{self.index}.allreduce", futs, args)
+                tr.device_collective(f"bucket{self.index}.allreduce", futs, args,
+                                     stream=stream)
 
     def wire_bytes(self) -> int:
         """The bucket's size on the wire (elements x the wire dtype's size)."""

@@ -66,7 +66,8 @@ Other names are allowed (the table ignores them; the PNG draws them grey).
 from __future__ import annotations
 
 from .chrome import load, validate
-from .tracer import COMM, COMPUTE, DEVICE, DEVICE_COMM, ENV, MOE, Tracer, current, make_tracer
+from .tracer import (COMM, COMPUTE, DEVICE, DEVICE_COMM, DEVICE_ENV, ENV, MOE, Tracer, current,
+                     make_tracer)
 
-__all__ = ["COMM", "COMPUTE", "DEVICE", "DEVICE_COMM", "ENV", "MOE", "Tracer", "current",
-           "load", "make_tracer", "validate"]
+__all__ = ["COMM", "COMPUTE", "DEVICE", "DEVICE_COMM", "DEVICE_ENV", "ENV", "MOE", "Tracer",
+           "current", "load", "make_tracer", "validate"]

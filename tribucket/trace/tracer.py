@@ -17,10 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMM", "COMPUTE", "DEVICE", "DEVICE_COMM", "ENV", "MOE", "Tracer", "current", "make_tracer"]
+__all__ = ["COMM", "COMPUTE", "DEVICE", "DEVICE_COMM", "DEVICE_ENV", "ENV", "MOE", "Tracer",
+           "current", "make_tracer"]
 
 #: the environment variable that turns tracing on: a directory the trace file is written to
 ENV = "TRIBUCKET_TRACE"
+#: ``TRIBUCKET_TRACE_DEVICE=1``: also record device spans (CUDA events) on GPUs
+DEVICE_ENV = "TRIBUCKET_TRACE_DEVICE"
 
 # lanes (one Chrome tid each, drawn in this order)
 COMPUTE = "compute"   # backward, pack, wait, unpack, epilogue, optimizer
@@ -61,6 +64,9 @@ _Range = _FastRange if _FastRange is not None else _OpsRange
 _DROPPED: list = [None, None, 0, None, None, 0, None]
 
 _CURRENT: "Tracer | None" = None
+
+# on_device()'s answer when spans are forced on for a tensor that has no CUDA stream (tests)
+_NO_STREAM = False
 
 
 def current() -> "Tracer | None":
@@ -119,9 +125,10 @@ class Tracer:
         self.closed = False
         self.written: str | None = None   # the file close() wrote (rank 0)
         self._event_factory = None        # CUDA events (tests inject a fake)
-        #: device spans: None (the default) records them for CUDA tensors only (see
-        #: :meth:`on_device`); True/False forces them on/off
-        self.device_spans: bool | None = None
+        #: device spans (CUDA events) for buckets on a GPU: off unless
+        #: ``TRIBUCKET_TRACE_DEVICE=1``; measured on an H200 host, they add 7-8% to a
+        #: one-GPU step where the host spans add 0-1% (docs/trace.md)
+        self.device_spans: bool = os.environ.get(DEVICE_ENV, "") == "1"
         _CURRENT = self
 
     # ------------------------------------------------------------------ steps
@@ -264,7 +271,7 @@ class Tracer:
         """Open a device-side span: a CUDA event recorded on ``stream`` (default: the
         current one). Resolved to host time at :meth:`close`, not before (no sync)."""
         ev = self._cuda_event()
-        ev.record(stream) if stream is not None else ev.record()
+        ev.record() if stream is None or stream is False else ev.record(stream)
         rec = [name, lane, ev, None, args, self.step, None]
         if len(self.device_events) + len(self.events) >= self.max_events:
             self.dropped += 1
@@ -274,16 +281,22 @@ class Tracer:
 
     def device_end(self, rec: list, stream=None) -> None:
         ev = self._cuda_event()
-        ev.record(stream) if stream is not None else ev.record()
+        ev.record() if stream is None or stream is False else ev.record(stream)
         rec[3] = ev
 
-    def on_device(self, t: torch.Tensor) -> bool:
-        """Whether work on ``t`` gets device spans (CUDA tensors, unless
-        :attr:`device_spans` says otherwise)."""
-        return t.is_cuda if self.device_spans is None else self.device_spans
+    def on_device(self, t: torch.Tensor):
+        """The stream to record ``t``'s device spans on (its device's current stream), or
+        ``None``: no device spans (:attr:`device_spans` off, or not a CUDA tensor).
+        Looked up once per bucket and passed to each record: the lookup is most of a
+        record's host cost (4 of 6 us on an H200 host)."""
+        if not self.device_spans:
+            return None
+        if t.is_cuda:
+            return torch.cuda.current_stream(t.device)
+        return _NO_STREAM if self._event_factory is not None else None  # (stand-in events)
 
     def device_collective(self, name: str, handle: Any, args: dict | None = None,
-                          lane: str = DEVICE_COMM) -> list:
+                          lane: str = DEVICE_COMM, stream=None) -> list:
         """A collective's span on the device: from an event on the current stream at its
         launch (the backend's stream waits for it) to one recorded when it completes there.
 
@@ -291,7 +304,7 @@ class Tracer:
         the last one, for a list): torch runs such a callback with current streams that
         wait on the work's CUDA kernels, so the event completes when the collective does
         on the device, with no host sync. Call right after the launch."""
-        rec = self.device_begin(name, lane, args)
+        rec = self.device_begin(name, lane, args, stream)
         if rec is _DROPPED:
             return rec
         rec[3] = None  # the end event comes from the callback
