@@ -35,7 +35,8 @@ def _small_caps():
 
 
 def _tuning_steps(n_candidates: int) -> int:
-    return 1 + n_candidates * STEPS_PER_CANDIDATE  # the rebuild's step, then the schedule
+    # the rebuild's step, then the schedule, whose turn (C C) skips one warm-up
+    return 1 + n_candidates * STEPS_PER_CANDIDATE - autotune.WARMUP_STEPS * (autotune.VISITS > 1)
 
 
 def _train_against_ddp(name, tb_kwargs, penalty=None, jitter=0.0):
@@ -69,7 +70,8 @@ def _train_against_ddp(name, tb_kwargs, penalty=None, jitter=0.0):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         return dict(steps=step, layouts=layouts, layout=reducer.layout.bucket_indices(),
                     log=reducer.logging_data(), candidates=list(tuner.candidates),
-                    choice=tuner.choice, medians=tuner.medians, state=reducer.state_dict())
+                    choice=tuner.choice, medians=tuner.medians, state=reducer.state_dict(),
+                    bytes_cap=reducer.bucket_bytes_cap)
 
 
 @pytest.mark.parametrize("name,kwargs", [
@@ -131,6 +133,7 @@ def _tune_then_resume():
 def test_a_resumed_run_keeps_the_choice_without_tuning(dist_run):
     for tuned, resumed in dist_run(_tune_then_resume):
         assert tuned["choice"] == tuned["candidates"][2] != tuned["candidates"][0]
+        assert tuned["bytes_cap"] == tuned["choice"][0]  # DDP's attribute: the cap in use
         assert resumed["done"] and resumed["relayouts"] == 0
         assert resumed["choice"] == tuned["choice"]
         assert resumed["layout"] == tuned["layout"]
@@ -199,5 +202,36 @@ def _uneven_inputs_while_tuning():
 
 def test_uneven_inputs_while_tuning(dist_run):
     r0, r1 = dist_run(_uneven_inputs_while_tuning)
-    assert r0["n"] == 3 and r0["done"] and r1["done"]  # 1 + 3 x 6 = 19 steps < 24
+    assert r0["n"] == 3 and r0["done"] and r1["done"]  # 1 + 3 x 6 - 1 = 18 steps < 24
     assert r0["choice"] == r1["choice"] and r0["layout"] == r1["layout"]
+
+
+def _traced_tuning(path):
+    rank = dist.get_rank()
+    model = build("mlp", seed=rank)
+    with _small_caps(), tribucket.fused_bucketing(model, bucket_cap_mb="auto",
+                                                  trace=path) as reducer:
+        tuner = reducer._bw.tuner
+        step = 0
+        while not tuner.done:
+            loss_of(model(batch("mlp", rank, step))).backward()
+            step += 1
+        loss_of(model(batch("mlp", rank, step))).backward()
+        candidates, choice, medians = list(tuner.candidates), tuner.choice, tuner.medians
+    return reducer.trace_path, candidates, choice, medians
+
+
+def test_the_trace_shows_each_candidate_and_the_choice(dist_run, tmp_path):
+    from tribucket import trace
+
+    (path, candidates, choice, medians), _ = dist_run(_traced_tuning, str(tmp_path))
+    events = [e for e in trace.load(path)["traceEvents"] if e.get("pid") == 0]
+    tried = [e for e in events if e.get("name") == "autotune.candidate"]
+    # each visit of the schedule starts with an instant naming its caps (A B C C B A)
+    assert [tuple(e["args"]["caps_bytes"]) for e in tried][:len(candidates)] == \
+        [tuple(c) for c in candidates]
+    (chosen,) = [e for e in events if e.get("name") == "autotune.choice"]
+    assert tuple(chosen["args"]["caps_bytes"]) == tuple(choice)
+    assert chosen["args"]["median_step_s"] == medians
+    assert [tuple(c) for c in chosen["args"]["candidates_bytes"]] == \
+        [tuple(c) for c in candidates]

@@ -11,7 +11,9 @@ the rebuild itself. The candidates are visited in order, then in reverse order (
 a load that drifts during the search weighs on each alike; measured one after the other, the
 first candidate took the blame for a machine that was busier at the start); each visit runs
 :data:`WARMUP_STEPS` step, not measured (new buffers, cold caches), then
-:data:`MEASURED_STEPS` measured steps: 6 steps and 4 measurements per candidate.
+:data:`MEASURED_STEPS` measured steps (the visit at the turn, C C, keeps the layout and
+skips its warm-up step): at most 6 steps and 4 measurements per candidate, 5 candidates
+tuned in 30 steps counting the rebuild's.
 
 What is measured: per synchronised backward, from its start to every ``.grad`` averaged
 (``reducer.stats.backward_compute_s + comm_exposed_s``): the part of the step the layout
@@ -124,6 +126,8 @@ class AutoTuner:
             self.current, self.visit, self.steps = 0, 0, 0
             if len(self.candidates) == 1:  # one layout whatever the cap: nothing to measure
                 self.choice = self.policy.caps = self.candidates[0]
+            else:
+                self._mark(bw, "autotune.candidate")
             return
         if seconds is not None and self.steps >= WARMUP_STEPS:
             if self.noise is not None:
@@ -139,11 +143,26 @@ class AutoTuner:
             if order[self.visit] != self.current:
                 self.current = order[self.visit]
                 self._relayout(bw, self.candidates[self.current])
+            else:  # the same layout again (the turn of A B C C B A): already warm
+                self.steps = WARMUP_STEPS
+            self._mark(bw, "autotune.candidate")
             return
         self.choice = self._decide(bw)
         if self.choice != self.candidates[self.current]:
             self._relayout(bw, self.choice)
         self.policy.caps = self.choice
+        tr = bw.comm.tracer
+        if tr is not None:
+            tr.instant("autotune.choice", args={
+                "caps_bytes": list(self.choice), "median_step_s": self.medians,
+                "candidates_bytes": [list(c) for c in self.candidates]})
+
+    def _mark(self, bw: Any, name: str) -> None:
+        """A trace instant: the candidate measured from this step on."""
+        tr = bw.comm.tracer
+        if tr is not None:
+            tr.instant(name, args={"candidate": self.current,
+                                   "caps_bytes": list(self.candidates[self.current])})
 
     def _dedupe(self, align_bytes: int) -> None:
         """Keep one candidate per distinct layout (in the rebuild's order)."""

@@ -28,6 +28,10 @@ class _Option:
         if obj is None:
             return self
         cfg = obj.config
+        if self._name == "bucket_bytes_cap":  # the cap in use: "auto" tunes it
+            tuner = getattr(getattr(obj, "_bw", None), "tuner", None)
+            if tuner is not None:
+                return tuner.policy.caps[0]
         return self._read(cfg) if self._read is not None else getattr(cfg, self._name)
 
     def __set__(self, obj: Any, value: Any) -> None:
@@ -88,7 +92,9 @@ class DDPCompat:
                             if c.bucket_cap_mb is None else c.bucket_cap_mb,
                             "The bucket cap in MiB (read-only).")
     bucket_bytes_cap = _Option(lambda c: c.bucket_cap_bytes,
-                               "DDP's ``bucket_bytes_cap``: the bucket cap in bytes (read-only).")
+                               "DDP's ``bucket_bytes_cap``: the bucket cap in bytes in use "
+                               "(with ``bucket_cap_mb='auto'``, the candidate being measured, "
+                               "then the choice; read-only).")
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
