@@ -10,6 +10,9 @@ groups of one process each (gloo, one intra-op thread), one Lighthouse, in one r
     * ``torchft DDP``               ``torchft.DistributedDataParallel`` + ``torchft.Optimizer``
     * ``tribucket+torchft``         ``fused_bucketing(model, manager=manager)`` + ``torchft.Optimizer``
     * ``tribucket+torchft fp16``    the same with ``fp16_compress_hook`` (fused compression)
+    * ``tribucket``                 plain ``fused_bucketing(model)`` over a 2-process gloo
+                                    group spanning the replica groups, no torchft (what the
+                                    fault tolerance costs)
 
     The figure is the median over rounds after warm-up of replica group 0's step time (from
     ``zero_grad``, which starts the quorum, to the end of ``step``, which asks
@@ -53,7 +56,9 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 RESULTS = HERE / "results"
-VARIANTS = ["torchft DDP", "tribucket+torchft", "tribucket+torchft fp16"]
+VARIANTS = ["torchft DDP", "tribucket+torchft", "tribucket+torchft fp16", "tribucket"]
+#: the variants through the torchft manager (the last one is plain tribucket: no torchft)
+FT_VARIANTS = VARIANTS[:3]
 
 
 # ------------------------------------------------------------------ one replica group
@@ -65,6 +70,7 @@ def replica_main(argv: list[str]) -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--go", default="")
+    ap.add_argument("--plain-port", type=int, required=True)
     args = ap.parse_args(argv)
 
     import torch
@@ -76,7 +82,15 @@ def replica_main(argv: list[str]) -> None:
 
     torch.set_num_threads(1)
     replica = int(os.environ["REPLICA_GROUP_ID"])
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # the default group spans the 2 replica groups (plain tribucket's); each replica group's
+    # own group (one process) is what the torchft variants are given
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.plain_port}",
+                            rank=replica, world_size=2)
+    own = [dist.new_group([r]) for r in range(2)][replica]
+    # the replica group's own store (MASTER_PORT), which the manager connects to; an env://
+    # group of one process would have hosted it
+    group_store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 1,  # noqa: F841
+                                is_master=True, wait_for_workers=False)
     log = open(args.log, "a", buffering=1)
 
     def emit(**rec) -> None:
@@ -106,29 +120,39 @@ def replica_main(argv: list[str]) -> None:
     nets = {"torchft DDP": torchft.DistributedDataParallel(manager, models["torchft DDP"])}
     reducers = []
     for name in VARIANTS[1:]:
-        reducers.append(tribucket.fused_bucketing(models[name], manager=manager))
+        if name in FT_VARIANTS:
+            reducers.append(tribucket.fused_bucketing(models[name], own, manager=manager))
+        else:  # plain tribucket across the 2 processes, no torchft
+            reducers.append(tribucket.fused_bucketing(models[name]))
         if name.endswith("fp16"):
             reducers[-1].register_comm_hook(None, tribucket.hooks.fp16_compress_hook)
         nets[name] = models[name]
-    optims = {n: torchft.Optimizer(manager, opts[n]) for n in VARIANTS}
+    optims = {n: torchft.Optimizer(manager, opts[n]) if n in FT_VARIANTS else opts[n]
+              for n in VARIANTS}
     emit(event="start")
     while args.go and not os.path.exists(args.go):
         time.sleep(0.02)
 
     times: dict[str, list[float]] = {n: [] for n in VARIANTS}
+    phases: dict[str, list[list[float]]] = {n: [] for n in VARIANTS}
     committed = {n: 0 for n in VARIANTS}
     for it in range(args.warmup + args.rounds):
         for name in VARIANTS:
             t0 = time.perf_counter()
             optims[name].zero_grad()
             before = manager.current_step()
+            t1 = time.perf_counter()
             nets[name](x).float().square().mean().backward()
+            t2 = time.perf_counter()
             optims[name].step()
             dt = time.perf_counter() - t0
-            committed[name] += manager.current_step() == before + 1
+            if it >= args.warmup:  # zero_grad (starts the quorum), forward+backward, step
+                phases[name].append([t1 - t0, t2 - t1, t0 + dt - t2])
+            committed[name] += (manager.current_step() == before + 1
+                                if name in FT_VARIANTS else 1)
             if it >= args.warmup:
                 times[name].append(dt)
-    emit(event="times", times=times, committed=committed,
+    emit(event="times", times=times, committed=committed, phases=phases,
          participants=manager.num_participants())
     for r in reducers:
         r.close()
@@ -144,8 +168,11 @@ def step_times(model: str, rounds: int, warmup: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp, FTRun(tmp) as run:
         run.lighthouse()
         go = os.path.join(tmp, "go")
+        from _ft_harness import free_port
+
+        plain = free_port()
         procs = [run.replica(r, worker=__file__, model=model, rounds=rounds, warmup=warmup,
-                             go=go) for r in (0, 1)]
+                             go=go, plain_port=plain) for r in (0, 1)]
         start_together(run, ["r0", "r1"], go, timeout=300)
         for r, p in enumerate(procs):
             if run.wait_exit(p, 1800, f"r{r}") != 0:
@@ -154,7 +181,9 @@ def step_times(model: str, rounds: int, warmup: int) -> dict:
     if rec["participants"] != 2:
         raise RuntimeError(f"the last quorum had {rec['participants']} replica groups, not 2")
     med = {n: statistics.median(ts) for n, ts in rec["times"].items()}
-    return {"model": model, "median_s": med,
+    phases = {n: [statistics.median(col) for col in zip(*ps)]
+              for n, ps in rec.get("phases", {}).items() if ps}
+    return {"model": model, "median_s": med, "phase_median_s": phases,
             "steps_per_s": {n: 1.0 / s for n, s in med.items()},
             "committed": rec["committed"], "rounds": rounds}
 
@@ -264,14 +293,26 @@ def markdown(res: dict) -> str:
              f"{m['torchft']}, 1-min load {m['loadavg_1min']:.2f} before, "
              f"{m['loadavg_1min_after']:.2f} after); median of {m['rounds']} round-robin "
              "steps after warm-up, replica group 0.", "",
-             "| model | variant | ms / step | steps / s | vs torchft DDP |",
-             "| --- | --- | ---: | ---: | ---: |"]
+             "| model | variant | ms / step | steps / s | vs torchft DDP | vs tribucket |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
     for r in res["step_time"]:
         base = r["median_s"]["torchft DDP"]
+        plain = r["median_s"].get("tribucket")
         for n in VARIANTS:
+            if n not in r["median_s"]:
+                continue  # (a result file from before the plain variant)
             s = r["median_s"][n]
+            vs_plain = f"{s / plain:.2f}x" if plain else "-"
             lines.append(f"| {r['model']} | {n} | {s * 1e3:.2f} | {1 / s:.2f} | "
-                         f"{s / base:.2f}x |")
+                         f"{s / base:.2f}x | {vs_plain} |")
+    for r in res["step_time"]:
+        ph = r.get("phase_median_s")
+        if ph:
+            lines += ["", f"{r['model']}, medians per phase (zero_grad, which starts the "
+                      "quorum / forward + backward / optimizer step, which asks "
+                      "should_commit): " + "; ".join(
+                          f"{n} " + " / ".join(f"{v * 1e3:.1f}" for v in ph[n]) + " ms"
+                          for n in VARIANTS if n in ph)]
     if res.get("failure"):
         fm = res.get("failure_meta")
         load = (f"; 1-min load {fm['loadavg_1min']:.2f} before, "
@@ -322,7 +363,7 @@ def plot(res: dict, path: pathlib.Path) -> None:
     width = 0.8 / len(VARIANTS)
     for k, n in enumerate(VARIANTS):
         ax.bar([i + k * width for i in range(len(rows))],
-               [r["median_s"][n] * 1e3 for r in rows], width, label=n)
+               [r["median_s"].get(n, 0.0) * 1e3 for r in rows], width, label=n)
     ax.set_xticks([i + width for i in range(len(rows))], [r["model"] for r in rows])
     ax.set_ylabel("ms / step (median)")
     ax.set_title("2 replica groups on torchft (gloo, CPU)")
