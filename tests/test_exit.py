@@ -79,6 +79,31 @@ def test_script_exits_cleanly(kind, hook, native):
     assert "losses" in results[0][1], results[0][1]
 
 
+def _fake_task(root, tid: int, comm: str, state: str) -> None:
+    d = root / str(tid)
+    d.mkdir()
+    (d / "comm").write_text(comm + "\n")
+    (d / "stat").write_text(f"{tid} ({comm}) {state} 1 2 3 4\n")
+
+
+def test_exit_waits_for_running_gloo_workers(tmp_path):
+    """The exit handler's last step: it returns once gloo's worker threads are idle (S),
+    and gives up after its timeout while one keeps running (R)."""
+    from tribucket import _exit
+
+    _fake_task(tmp_path, 11, "python", "R")            # the main thread: not a worker
+    _fake_task(tmp_path, 12, "pt_gloo_runloop", "S")   # idle, waiting for work
+    _fake_task(tmp_path, 13, "gloo_tcp_loop", "R")     # the transport loop: not a worker
+    assert _exit._busy_threads(_exit._GLOO_WORKER, str(tmp_path)) == []
+    assert _exit._let_gloo_workers_finish(0.5, str(tmp_path)) is True
+    _fake_task(tmp_path, 14, "pt_gloo_runloop", "R")   # still finishing a collective
+    assert _exit._busy_threads(_exit._GLOO_WORKER, str(tmp_path)) == [14]
+    t0 = time.monotonic()
+    assert _exit._let_gloo_workers_finish(0.05, str(tmp_path)) is False
+    assert time.monotonic() - t0 < 1.0  # bounded: exit is never held up for long
+    assert _exit._busy_threads(_exit._GLOO_WORKER, str(tmp_path / "missing")) == []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=50)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
+import time
 import weakref
 from typing import Any
 
@@ -119,3 +121,56 @@ def settle() -> None:
             pass
     del owners
     gc.collect()
+    _let_gloo_workers_finish()
+
+
+#: gloo's worker threads (``ProcessGroupGloo::runLoop``), as Linux names them
+_GLOO_WORKER = "pt_gloo_runloop"
+
+
+def _busy_threads(name: str, proc: str = "/proc/self/task") -> list[int]:
+    """Thread ids of this process named ``name`` that are running or runnable (state R in
+    ``/proc/self/task/<tid>/stat``); [] where /proc is not there."""
+    busy = []
+    try:
+        tids = os.listdir(proc)
+    except OSError:
+        return busy
+    for tid in tids:
+        try:
+            with open(f"{proc}/{tid}/comm") as f:
+                if f.read().strip() != name:
+                    continue
+            with open(f"{proc}/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]  # (comm may hold spaces)
+        except (OSError, IndexError):
+            continue
+        if state == "R":
+            busy.append(int(tid))
+    return busy
+
+
+def _let_gloo_workers_finish(timeout_s: float = 0.5, proc: str = "/proc/self/task") -> bool:
+    """Wait (GIL released) until no gloo worker thread is running, at most ``timeout_s``.
+
+    A gloo worker completes a collective, which wakes the caller, and only then, at the end
+    of its loop iteration, drops its reference to the work. Descheduled there (a loaded
+    machine), it can be the last owner of the work's tensors when the interpreter is
+    already finalising: freeing a tensor whose Python object torch kept alive needs the GIL,
+    which a thread cannot take then, so it exits inside a C++ destructor and the process
+    aborts ("terminate called without an active exception", seen in a core dump: frames
+    ``~AsyncAllgatherWork`` <- ``ProcessGroupGloo::runLoop`` <- ``decref_pyobject`` <-
+    ``PyThread_exit_thread``). The group itself outlives ``destroy_process_group()`` in any
+    script that built an optimizer (torch keeps a reference), so its workers are still
+    there at exit. Returns True when they all went idle."""
+    deadline = time.monotonic() + timeout_s
+    idle_polls = 0
+    while time.monotonic() < deadline:
+        if _busy_threads(_GLOO_WORKER, proc):
+            idle_polls = 0
+        else:
+            idle_polls += 1
+            if idle_polls >= 2:  # idle twice, a millisecond apart
+                return True
+        time.sleep(0.001)
+    return False
