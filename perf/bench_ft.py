@@ -33,6 +33,7 @@ groups of one process each (gloo, one intra-op thread), one Lighthouse, in one r
     steps lost (done again), and the time a checkpoint takes.
 
     python perf/bench_ft.py                    # (a) on the MLP -> perf/results/ft.{json,md,png}
+                                               # ((b) kept from the results file)
     python perf/bench_ft.py --failure          # (a) and (b)
     python perf/bench_ft.py --failure-only     # (b); (a) kept from perf/results/ft.json
     python perf/bench_ft.py --model transformer --rounds 20
@@ -404,6 +405,10 @@ def main() -> None:
         res["meta"] = {"torch": torch.__version__, "torchft": version("torchft"),
                        "cpus": os.cpu_count(), "loadavg_1min": load,
                        "loadavg_1min_after": os.getloadavg()[0], "rounds": args.rounds}
+    old_file = pathlib.Path(args.out) / "ft.json"
+    if not (args.failure or args.failure_only) and old_file.exists():  # (b) as measured before
+        old = json.loads(old_file.read_text())
+        res.update({k: old[k] for k in ("failure", "elastic", "failure_meta") if k in old})
     if args.failure or args.failure_only:
         load = os.getloadavg()[0]
         res["failure"] = [failure_times(impl, args.heartbeat_ms)
