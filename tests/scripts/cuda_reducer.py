@@ -42,7 +42,9 @@ def _grads(model, name, wrap):
     return out
 
 
-class _DDP:
+class _Wrap:
+    """``with wrap(model) as net:``: the model trained under DDP or tribucket, with a hook."""
+
     def __init__(self, hook=None, **kw):
         self.hook, self.kw = hook, kw
 
@@ -50,6 +52,8 @@ class _DDP:
         self.model = model
         return self
 
+
+class _DDP(_Wrap):
     def __enter__(self):
         ddp = DDP(self.model, device_ids=[0], **self.kw)
         if self.hook is not None:
@@ -60,14 +64,7 @@ class _DDP:
         return False
 
 
-class _Ours:
-    def __init__(self, hook=None, **kw):
-        self.hook, self.kw = hook, kw
-
-    def __call__(self, model):
-        self.model = model
-        return self
-
+class _Ours(_Wrap):
     def __enter__(self):
         self.cm = tribucket.fused_bucketing(self.model, **self.kw)
         reducer = self.cm.__enter__()
