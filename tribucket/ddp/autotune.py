@@ -22,8 +22,10 @@ changes. A rank reports each candidate's median (of 4).
 The decision: one all-reduce (MAX) of the per-candidate medians, so each candidate is judged
 by its slowest rank and every rank holds the same figures; the smallest wins, ties to the
 earlier candidate, and the default layout (the caps a plain run would use) is kept unless a
-candidate beats it by more than :data:`KEEP_DEFAULT_WITHIN` (timing noise must not move a
-run off the default for nothing). Same figures, same rule: the same choice on every rank.
+candidate beats it by more than the noise: half the spread of the default's own
+measurements ((max - min) / median, its worst rank; in the same all-reduce), and at least
+:data:`KEEP_DEFAULT_WITHIN` (timing noise must not move a run off the default for nothing:
+on a shared 2-core machine two runs of one layout differ by 5-7%). Same figures, same rule: the same choice on every rank.
 
 Where the layout changes: at the end of a backward pass, after every gradient is averaged and
 in ``.grad`` — the point where the one rebuild already happens — never during one. The
@@ -101,6 +103,7 @@ class AutoTuner:
         policy.caps = self.candidates[0]
         self.samples: list[list[float]] = [[] for _ in self.candidates]
         self.medians: list[float] | None = None     # max over ranks, after the decision
+        self.default_spread: float | None = None     # the default's (max-min)/median, worst rank
         self.choice: tuple[int, int] | None = None  # the caps kept (done)
         self.current = -1                           # candidate measured now (-1: waiting)
         self.visit = 0                              # index into the visit order
@@ -155,6 +158,7 @@ class AutoTuner:
         if tr is not None:
             tr.instant("autotune.choice", args={
                 "caps_bytes": list(self.choice), "median_step_s": self.medians,
+                "default_spread": self.default_spread,
                 "candidates_bytes": [list(c) for c in self.candidates]})
 
     def _mark(self, bw: Any, name: str) -> None:
@@ -184,19 +188,25 @@ class AutoTuner:
         self.relayouts += 1
 
     def _decide(self, bw: Any) -> tuple[int, int]:
-        """Every rank's medians, max over ranks (one all-reduce), then the same rule."""
+        """Every rank's medians and the default's spread, max over ranks (one all-reduce),
+        then the same rule."""
         local = [statistics.median(s) if s else 0.0 for s in self.samples]
-        t = torch.tensor(local, dtype=torch.float64, device=bw.guard.device)
+        own = self.samples[0]
+        spread = (max(own) - min(own)) / statistics.median(own) if len(own) > 1 else 0.0
+        t = torch.tensor(local + [spread], dtype=torch.float64, device=bw.guard.device)
         if bw.world_size > 1:
             guard = bw.guard
             guard.fingerprint("autotune", bw.passes, 0, t.numel(), t.dtype)
             work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=guard.group_arg(),
                                    async_op=True)
             guard.wait(work, "the bucket_cap_mb='auto' decision (all-reduce)", bw.passes)
-        medians = [v if v > 0 else float("inf") for v in t.tolist()]  # never measured
-        self.medians = medians
+        *medians, spread = t.tolist()
+        medians = [v if v > 0 else float("inf") for v in medians]  # never measured
+        self.medians, self.default_spread = medians, spread
         best = min(range(len(medians)), key=lambda i: (medians[i], i))
-        if medians[0] <= medians[best] * (1 + KEEP_DEFAULT_WITHIN):
+        # the default stays unless beaten by more than the noise: its own measurements'
+        # spread (max - min over median, the worst rank) halved, at least KEEP_DEFAULT_WITHIN
+        if medians[0] <= medians[best] * (1 + max(KEEP_DEFAULT_WITHIN, spread / 2)):
             best = 0  # the default
         return self.candidates[best]
 
@@ -232,6 +242,8 @@ class AutoTuner:
             autotune_median_step_ns=None if self.medians is None else ", ".join(
                 str(round(m * 1e9)) if m != float("inf") else "-" for m in self.medians),
             autotune_done=int(self.done),
+            autotune_default_spread=None if self.default_spread is None
+            else round(self.default_spread, 4),
             autotune_bucket_cap_mb=None if self.choice is None else mb(self.choice[0]),
             autotune_first_bucket_cap_mb=None if self.choice is None else mb(self.choice[1]),
         )
