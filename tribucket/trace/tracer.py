@@ -309,6 +309,8 @@ class Tracer:
             return rec
         rec[3] = None  # the end event comes from the callback
         handles = handle if isinstance(handle, (list, tuple)) else (handle,)
+        if not handles:
+            return rec  # nothing in flight: no device end
         try:
             fut = handles[-1].get_future() if hasattr(handles[-1], "get_future") \
                 else handles[-1]
