@@ -14,11 +14,19 @@ from ..config import DEFAULT_BUCKET_CAP_MB, DEFAULT_SHARD_BUCKET_CAP_MB, Reducer
 __all__ = ["CommTimings", "DDPCompat", "bucket_sizes", "logging_data"]
 
 
+def _tuned_cap(reducer: Any) -> int | None:
+    """The bucket cap ``bucket_cap_mb="auto"`` has in use, or None without a tuner."""
+    tuner = getattr(getattr(reducer, "_bw", None), "tuner", None)
+    return None if tuner is None else tuner.policy.caps[0]
+
+
 class _Option:
     """A read-only attribute showing one reducer option under DDP's name."""
 
-    def __init__(self, read: Callable[[ReducerConfig], Any] | None = None, doc: str = ""):
+    def __init__(self, read: Callable[[ReducerConfig], Any] | None = None, doc: str = "",
+                 live: Callable[[Any], Any] | None = None):
         self._read = read
+        self._live = live  # reads the reducer first; None from it: the configured value
         self.__doc__ = doc
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -27,11 +35,10 @@ class _Option:
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         if obj is None:
             return self
+        value = self._live(obj) if self._live is not None else None
+        if value is not None:
+            return value
         cfg = obj.config
-        if self._name == "bucket_bytes_cap":  # the cap in use: "auto" tunes it
-            tuner = getattr(getattr(obj, "_bw", None), "tuner", None)
-            if tuner is not None:
-                return tuner.policy.caps[0]
         return self._read(cfg) if self._read is not None else getattr(cfg, self._name)
 
     def __set__(self, obj: Any, value: Any) -> None:
@@ -94,7 +101,7 @@ class DDPCompat:
     bucket_bytes_cap = _Option(lambda c: c.bucket_cap_bytes,
                                "DDP's ``bucket_bytes_cap``: the bucket cap in bytes in use "
                                "(with ``bucket_cap_mb='auto'``, the candidate being measured, "
-                               "then the choice; read-only).")
+                               "then the choice; read-only).", live=_tuned_cap)
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:

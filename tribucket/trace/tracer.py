@@ -77,6 +77,11 @@ def current() -> "Tracer | None":
     return _CURRENT
 
 
+def _future_of(handle: Any):
+    """A Work's future, or the handle itself (already a future)."""
+    return handle.get_future() if hasattr(handle, "get_future") else handle
+
+
 def _completed(rec: list, fut) -> None:
     """A collective's done-callback: runs on the backend's thread when it completes it."""
     if rec[3] is None:
@@ -223,7 +228,7 @@ class Tracer:
         futs = []
         for h in handles:
             try:
-                futs.append(h.get_future() if hasattr(h, "get_future") else h)
+                futs.append(_future_of(h))
             except Exception:  # a backend without futures: the wait's end bounds it
                 return rec
         if len(futs) == 1:
@@ -312,8 +317,7 @@ class Tracer:
         if not handles:
             return rec  # nothing in flight: no device end
         try:
-            fut = handles[-1].get_future() if hasattr(handles[-1], "get_future") \
-                else handles[-1]
+            fut = _future_of(handles[-1])
         except Exception:  # a backend without futures: no device end
             return rec
 
