@@ -515,6 +515,8 @@ def main(argv=None) -> dict:
     p.add_argument("--worlds", default="2,4", help="world sizes of the schedule comparison")
     p.add_argument("--grouped-rounds", type=int, default=7,
                    help="grouped: measured rounds per shape and dtype")
+    p.add_argument("--device", default="cpu",
+                   help="grouped: the device (cuda: the GPU shapes too, wall time)")
     p.add_argument("--results", default=str(ROOT / "perf" / "results"),
                    help="folder for the .json/.md/.png files (elsewhere for a smoke run)")
     p.add_argument("--repeats", type=int, default=3,
@@ -536,61 +538,88 @@ def main(argv=None) -> dict:
 #: (name, experts, rows, D, F): the expert shapes of the external comparison's sizes
 GROUPED_SHAPES = [("demo", 2, 4104, 64, 128), ("wide", 4, 8435, 256, 1024),
                   ("deepseek", 16, 16614, 256, 128), ("demo layer", 8, 4096, 64, 64)]
+#: and on a GPU, shapes of the models themselves (one rank's experts under expert parallelism):
+#: DeepSeek-V3 (256 routed experts of D 7168 -> F 2048, top-8) over 8 ranks, Mixtral 8x7B
+#: (8 experts of D 4096 -> F 14336, top-2) over 4 ranks, Qwen3-30B-A3B (128 of D 2048 ->
+#: F 768, top-8) over 8 ranks; 8192 tokens per rank, so rows = 8192 * top-k
+GPU_SHAPES = [("DeepSeek-V3 / 8 ranks", 32, 65536, 7168, 2048),
+              ("Mixtral 8x7B / 4 ranks", 2, 16384, 4096, 14336),
+              ("Qwen3-30B-A3B / 8 ranks", 16, 65536, 2048, 768)]
 
 
 def _grouped(args) -> dict:
-    """GroupedExperts (SwiGLU) forward+backward with each grouped_matmul impl, one process,
-    one thread: which ``impl="auto"`` should pick on this machine, per dtype. CPU seconds
-    (steadier than wall time on a shared machine), median over rounds, the impls interleaved."""
+    """GroupedExperts (SwiGLU) forward+backward with each grouped_matmul impl, one process:
+    which ``impl="auto"`` should pick, per device and dtype. On the CPU: one thread, CPU
+    seconds (steadier than wall time on a shared machine); on a GPU: wall time between device
+    synchronisations. Median over rounds, the impls interleaved."""
     from tribucket.moe import GroupedExperts
 
-    torch.set_num_threads(1)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    if not cuda:
+        torch.set_num_threads(1)
+    clock = time.perf_counter if cuda else time.process_time
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     load_before = os.getloadavg()[0]
     rows = []
-    for name, L, R, Dm, Fh in GROUPED_SHAPES:
+    for name, L, R, Dm, Fh in GROUPED_SHAPES + (GPU_SHAPES if cuda else []):
         for dtype in (torch.float32, torch.bfloat16):
             g = torch.Generator().manual_seed(0)
             counts = torch.multinomial(torch.ones(L), R, replacement=True,
                                        generator=g).bincount(minlength=L).tolist()
-            x = torch.randn(R, Dm, generator=g).to(dtype)
-            gy = torch.randn(R, Dm, generator=g).to(dtype)
-            experts = {impl: GroupedExperts(L, Dm, Fh, impl=impl, dtype=dtype)
+            gd = g if not cuda else torch.Generator(dev).manual_seed(0)  # GB-sized on a GPU
+            x = torch.randn(R, Dm, generator=gd, device=dev).to(dtype)
+            gy = torch.randn(R, Dm, generator=gd, device=dev).to(dtype)
+            experts = {impl: GroupedExperts(L, Dm, Fh, impl=impl, dtype=dtype, device=dev)
                        for impl in ("grouped_mm", "bmm", "loop")}
             times = {impl: [] for impl in experts}
             for rnd in range(1 + args.grouped_rounds):
                 for impl, m in experts.items():
-                    t0 = time.process_time()
+                    sync()
+                    t0 = clock()
                     xs = x.clone().requires_grad_()
                     (m(xs, counts) * gy).sum().backward()
                     m.zero_grad(set_to_none=True)
+                    sync()
                     if rnd:
-                        times[impl].append(time.process_time() - t0)
+                        times[impl].append(clock() - t0)
             med = {impl: 1e3 * statistics.median(t) for impl, t in times.items()}
             rows.append(dict(shape=name, experts=L, rows=R, d_model=Dm, d_ff=Fh,
-                             dtype=str(dtype).replace("torch.", ""), cpu_ms=med,
-                             fastest=min(med, key=med.get),
-                             auto=_auto_pick(dtype)))
-    result = dict(config=dict(threads=1, rounds=args.grouped_rounds, expert="SwiGLU"),
-                  machine=_machine(load_before), rows=rows)
+                             dtype=str(dtype).replace("torch.", ""), ms=med,
+                             fastest=min(med, key=med.get), auto=_auto_pick(dev, dtype)))
+            del experts
+    machine = _machine(load_before)
+    if cuda:
+        machine["device"] = torch.cuda.get_device_name(dev)
+    result = dict(config=dict(device=dev.type, threads=1 if not cuda else None,
+                              rounds=args.grouped_rounds, expert="SwiGLU",
+                              clock="wall, device synchronised" if cuda else "CPU time"),
+                  machine=machine, rows=rows)
     return _write("moe_grouped", result, _grouped_table, lambda r, p: None)
 
 
-def _auto_pick(dtype) -> str:
+def _auto_pick(device, dtype) -> str:
     from tribucket.kernels.moe import pick_grouped_impl
 
-    return pick_grouped_impl("cpu", dtype)
+    return pick_grouped_impl(device, dtype)
 
 
 def _grouped_table(result) -> str:
-    m = result["machine"]
-    lines = [f"GroupedExperts (SwiGLU) forward+backward per grouped_matmul impl, one process x 1 "
-             f"thread ({m['cores']}-core CPU shared with other jobs, torch {m['torch']}, 1-min "
-             f"load average {m['load_avg_1min']['before']:.1f} before); CPU ms, median of "
-             f"{result['config']['rounds']} interleaved rounds.", "",
+    m, c = result["machine"], result["config"]
+    if c.get("device", "cpu") == "cuda":
+        head = (f"GroupedExperts (SwiGLU) forward+backward per grouped_matmul impl, one "
+                f"{m['device']} ({m['cores']} CPU cores, torch {m['torch']}); wall ms between "
+                f"device synchronisations, median of {c['rounds']} interleaved rounds.")
+    else:
+        head = (f"GroupedExperts (SwiGLU) forward+backward per grouped_matmul impl, one process "
+                f"x 1 thread ({m['cores']}-core CPU shared with other jobs, torch {m['torch']}, "
+                f"1-min load average {m['load_avg_1min']['before']:.1f} before); CPU ms, median "
+                f"of {c['rounds']} interleaved rounds.")
+    lines = [head, "",
              "| shape | experts x rows, D -> F | dtype | grouped_mm | bmm (padded) | loop | "
              "fastest | auto picks |", "| --- | --- | --- | ---: | ---: | ---: | --- | --- |"]
     for r in result["rows"]:
-        t = r["cpu_ms"]
+        t = r.get("ms", r.get("cpu_ms"))
         lines.append(f"| {r['shape']} | {r['experts']} x {r['rows']}, {r['d_model']} -> "
                      f"{r['d_ff']} | {r['dtype']} | {t['grouped_mm']:.1f} | {t['bmm']:.1f} | "
                      f"{t['loop']:.1f} | {r['fastest']} | {r['auto']} |")

@@ -11,7 +11,10 @@ to ``perf/results/gpu/<step>.log`` and a summary to ``perf/results/gpu/summary.j
 3. ``step``: ``perf/bench_step.py --backend nccl``, tribucket against DDP (one rank a GPU,
    at most two);
 4. ``kernels``: ``perf/kernel_report.py`` (the machine code of the kernels as compiled on
-   this machine's triton).
+   this machine's triton);
+5. ``moe``: ``perf/bench_moe.py --part grouped --device cuda``: the MoE experts' grouped
+   matmul against the padded ``bmm`` and the loop of matmuls, per dtype, at the CPU's shapes
+   and at DeepSeek-V3's, Mixtral's and Qwen3-MoE's (what ``impl="auto"`` should pick).
 
 Every step runs even if an earlier one failed; the exit status is 0 only if all passed.
 Without a GPU it stops before running anything, with the reason.
@@ -34,7 +37,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "perf" / "results" / "gpu"
-STEPS = ("tests", "pack", "step", "kernels")
+STEPS = ("tests", "pack", "step", "kernels", "moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +87,8 @@ def plan(out: pathlib.Path, gpus: int, python: str = sys.executable) -> list[Ste
         Step("step", (python, "perf/bench_step.py", "--backend", "nccl", "--world",
                       str(max(1, min(2, gpus))), "--out", str(out)), no_interpret),
         Step("kernels", (python, "perf/kernel_report.py", "--out", str(out)), no_interpret),
+        Step("moe", (python, "perf/bench_moe.py", "--part", "grouped", "--device", "cuda",
+                     "--grouped-rounds", "5", "--results", str(out)), no_interpret),
     ]
 
 

@@ -68,17 +68,22 @@ def _close(name, got, want, atol=2e-6, rtol=1e-5, rank=0):
 
 
 # ---------------------------------------------------------------------------------------
-# grouped matmul and GroupedExperts (one process)
+# grouped matmul and GroupedExperts (one process; on the GPU too where there is one)
 # ---------------------------------------------------------------------------------------
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", ["grouped_mm", "bmm", "loop", "auto"])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_grouped_matmul_equals_a_matmul_per_group(impl, dtype, atol):
-    if impl == "grouped_mm" and not grouped_mm_available("cpu", dtype):
-        pytest.fail(f"torch {torch.__version__} has no CPU grouped_mm for {dtype}")
+def test_grouped_matmul_equals_a_matmul_per_group(impl, dtype, atol, device):
+    if impl == "grouped_mm" and not grouped_mm_available(device, dtype):
+        pytest.fail(f"torch {torch.__version__} has no {device} grouped_mm for {dtype}")
     torch.manual_seed(0)
     counts = [5, 0, 13, 1, 0]  # odd sizes, empty groups; grouped_mm wants 16-byte rows
-    x = torch.randn(sum(counts), 8, dtype=dtype, requires_grad=True)
-    w = torch.randn(5, 8, 16, dtype=dtype, requires_grad=True)
+    x = torch.randn(sum(counts), 8, dtype=dtype, device=device, requires_grad=True)
+    w = torch.randn(5, 8, 16, dtype=dtype, device=device, requires_grad=True)
     y = grouped_matmul(x, w, counts, impl=impl)
     g = torch.randn_like(y)
     gx, gw = torch.autograd.grad(y, (x, w), g)
@@ -103,13 +108,15 @@ def test_grouped_matmul_equals_a_matmul_per_group(impl, dtype, atol):
                atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["swiglu", "gelu", "sequential"])
-def test_grouped_experts_equal_the_modules_forward_and_backward(kind):
-    modules = _experts(kind, 4, seed=1)
+def test_grouped_experts_equal_the_modules_forward_and_backward(kind, device):
+    modules = [m.to(device) for m in _experts(kind, 4, seed=1)]
     grouped = GroupedExperts.from_experts(copy.deepcopy(modules))
+    assert grouped.w1.device.type == device
     counts = [3, 0, 6, 2]
-    x = torch.randn(sum(counts), D)
-    g = torch.randn(sum(counts), D)
+    x = torch.randn(sum(counts), D, device=device)
+    g = torch.randn(sum(counts), D, device=device)
     xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
     (grouped(xg, counts) * g).sum().backward()
     ref = torch.cat([m(part) for m, part in zip(modules, xr.split(counts))])
@@ -244,22 +251,23 @@ def test_new_arguments_are_checked():
 def _check_parity(case: dict) -> None:
     rank, W = dist.get_rank(), dist.get_world_size()
     K, L, kind, seed = case["k"], case["L"], case["kind"], case["seed"]
+    dev = torch.device(case.get("device", "cpu"))  # drawn on the CPU, then moved: same values
     E = W * L
     tokens = [9 + 4 * r for r in range(W)]
-    experts = _experts(kind, E, seed)
+    experts = [m.to(dev) for m in _experts(kind, E, seed)]
     torch.manual_seed(seed + 1)
-    router = nn.Linear(D, E, bias=False)
-    shared = [SwiGLUExpert(D, F) for _ in range(case.get("shared", 0))]
-    gate = nn.Linear(D, 1, bias=False) if case.get("gate") else None
-    bias_E = torch.randn(E) * 0.3 if case.get("bias") else None
-    data = [_tokens(seed, r, tokens[r]) for r in range(W)]
+    router = nn.Linear(D, E, bias=False).to(dev)
+    shared = [SwiGLUExpert(D, F).to(dev) for _ in range(case.get("shared", 0))]
+    gate = nn.Linear(D, 1, bias=False).to(dev) if case.get("gate") else None
+    bias_E = torch.randn(E).to(dev) * 0.3 if case.get("bias") else None
+    data = [tuple(t.to(dev) for t in _tokens(seed, r, tokens[r])) for r in range(W)]
 
     mine = [copy.deepcopy(experts[e]) for e in range(rank * L, rank * L + L)]
     local = GroupedExperts.from_experts(mine) if case.get("grouped") else mine
     layer = MoELayer(local, E, D, top_k=K, router=copy.deepcopy(router), expert_grad_scale=1.0,
                      shared_experts=copy.deepcopy(shared) or None, shared_gate=gate is not None,
                      score_func=case.get("score", "softmax"),
-                     bias_update_rate=0.01 if bias_E is not None else None)
+                     bias_update_rate=0.01 if bias_E is not None else None).to(dev)
     if gate is not None:
         layer.shared_gate.load_state_dict(gate.state_dict())
     if bias_E is not None:

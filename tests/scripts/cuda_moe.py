@@ -1,0 +1,47 @@
+"""The MoE layer on a CUDA device, one NCCL rank, against the dense reference of
+``tests/test_moe_modern.py`` (grouped and listed experts, shared experts, sigmoid scores, the
+routing bias). Run by ``tests/test_cuda_moe.py`` in its own process::
+
+    python tests/scripts/cuda_moe.py OUT_DIR
+
+Writes ``OUT_DIR/result.json``: ``{"cases": [...], "failures": [...]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from test_moe_modern import _parity_worker  # noqa: E402
+
+#: one rank holds every expert (E = L): the exchange is NCCL's all-to-all with itself
+CASES = [
+    dict(kind="swiglu", grouped=True, L=6, k=2, shared=1, gate=True, score="sigmoid", bias=True,
+         seed=11),
+    dict(kind="gelu", grouped=True, L=4, k=2, bias=True, seed=13),
+    dict(kind="sequential", L=3, k=1, shared=2, seed=12),
+]
+
+
+def main(out: pathlib.Path) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        cases = [dict(c, device="cuda") for c in CASES]
+        failures = _parity_worker(cases)
+    finally:
+        dist.destroy_process_group()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps({"cases": cases, "failures": failures}, indent=1))
+
+
+if __name__ == "__main__":
+    main(pathlib.Path(sys.argv[1]))
