@@ -415,6 +415,45 @@ def test_a_layer_step_issues_five_all_to_alls_and_nothing_else(dist_run):
         assert calls == ["all_to_all_single"] * 5, calls
 
 
+def _host_reads_of_a_step_worker():
+    """Device-to-host reads (``tolist``/``item``) in one forward+backward, with and without
+    the expert-output check: each is a stall of the whole stream on a GPU."""
+    torch.manual_seed(0)
+    W = dist.get_world_size()
+    layer = MoELayer([nn.Linear(D, D), nn.Linear(D, D)], 2 * W, D, top_k=2)
+    reads = []
+    tolist, item = torch.Tensor.tolist, torch.Tensor.item
+
+    def counted(fn):
+        def read(self, *a):
+            reads.append(fn.__name__)
+            return fn(self, *a)
+        return read
+
+    out = {}
+    for check in (True, False):
+        layer.dispatcher.check_expert_output = check
+        x = torch.randn(10, D, requires_grad=True)
+        reads.clear()
+        torch.Tensor.tolist, torch.Tensor.item = counted(tolist), counted(item)
+        try:
+            layer(x).sum().backward()
+        finally:
+            torch.Tensor.tolist, torch.Tensor.item = tolist, item
+        out[check] = list(reads)
+    return out
+
+
+@pytest.mark.dist
+def test_a_layer_step_reads_the_host_once_per_check(dist_run):
+    # the counts (the split sizes of the token exchanges) and, with the check on, the
+    # expert-output flags; the range check of the expert ids rides on the counts' read.
+    # Before, the ids' min and max took a read of their own (3 and 2).
+    for out in dist_run(_host_reads_of_a_step_worker, world_size=2):
+        assert out[True] == ["tolist"] * 2, out
+        assert out[False] == ["tolist"], out
+
+
 @pytest.mark.dist
 def test_bad_input_errors_before_collectives(dist_run):
     results = dist_run(_bad_input_worker, world_size=2)

@@ -256,12 +256,16 @@ class MoEDispatcher:
             self.fail_plan(error, x_TD.device if isinstance(x_TD, torch.Tensor) else "cpu",
                            gather_counts=gather_counts)
         T, K = expert_ids_TK.shape
+        # ids outside 0..E-1: flagged on the device and read with the counts (no host read of
+        # its own); routed clamped meanwhile, and no token moves before the flag is read
+        out_of_range = ((expert_ids_TK < 0) | (expert_ids_TK >= E)).any()
+        ids_TK = expert_ids_TK.clamp(0, E - 1)
         capacity = expert_capacity(self.capacity_factor, T, K, self.num_experts)
-        counts_E = moe_counts(expert_ids_TK, self.num_experts, backend=self.backend)
-        dest_TK, sent_E, order_S = _route(expert_ids_TK, counts_E, capacity)
+        counts_E = moe_counts(ids_TK, self.num_experts, backend=self.backend)
+        dest_TK, sent_E, order_S = _route(ids_TK, counts_E, capacity)
         send_counts_WL = sent_E.view(W, L)
-        # column L carries each rank's bad-input flag (0 here: this rank's input is fine)
-        parts = [send_counts_WL, send_counts_WL.new_zeros(W, 1)]
+        # column L carries each rank's bad-input flag
+        parts = [send_counts_WL, out_of_range.to(sent_E.dtype).expand(W, 1)]
         if gather_counts:
             parts.append(sent_E.view(1, E).expand(W, E))
         recv_WC = exchange_counts(torch.cat(parts, 1), self.group)
@@ -271,6 +275,8 @@ class MoEDispatcher:
         recv_WC_host = [host[W * L + w * cols:W * L + (w + 1) * cols] for w in range(W)]
         recv_WL1_host = [row[:L + 1] for row in recv_WC_host]
         bad = [w for w in range(W) if recv_WL1_host[w][L]]
+        if self.rank in bad:  # this rank's ids were out of range: its own error
+            raise self._range_error(expert_ids_TK)
         if bad:
             raise RuntimeError(f"rank(s) {bad} of the expert-parallel group passed bad input to "
                                f"dispatch (see the error raised there); rank {self.rank} stops "
@@ -458,12 +464,13 @@ class MoEDispatcher:
         if not (x_TD.device == expert_ids_TK.device == weights_TK.device):
             raise ValueError(f"x_TD, expert_ids_TK and weights_TK must be on one device, got "
                              f"{x_TD.device}, {expert_ids_TK.device}, {weights_TK.device}")
-        if expert_ids_TK.numel():
-            lo, hi = torch.stack(torch.aminmax(expert_ids_TK)).tolist()  # one host read
-            if lo < 0 or hi >= self.num_experts:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"expert_ids_TK holds expert {bad}, outside 0..{self.num_experts - 1}")
         return expert_ids_TK.to(torch.int64)
+
+    def _range_error(self, expert_ids_TK) -> ValueError:
+        """The error of ids outside ``0..E-1`` (read once the flag says there are some)."""
+        lo, hi = torch.stack(torch.aminmax(expert_ids_TK)).tolist()
+        return ValueError(f"expert_ids_TK holds expert {lo if lo < 0 else hi}, outside "
+                          f"0..{self.num_experts - 1}")
 
     def _check_expert_output(self, expert_output, meta: DispatchMeta):
         """``(problem or None, rows_RD)``: a local check, no communication."""
