@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from typing import Sequence
 
 import torch
 
@@ -508,8 +509,19 @@ def pick_grouped_impl(device: torch.device | str, dtype: torch.dtype) -> str:
     return "grouped_mm" if grouped_mm_available(device, dtype) else "loop"
 
 
+def host_ints(values: Sequence[int], device: torch.device | str,
+              dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` without a host stall: on a GPU the
+    list goes through pinned memory and a non-blocking copy, so the host does not wait for
+    the stream to drain (a pageable copy synchronises it)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def grouped_matmul(x_RI: torch.Tensor, w_GIO: torch.Tensor, counts: list[int] | tuple[int, ...],
-                   *, impl: str = "auto") -> torch.Tensor:
+                   *, impl: str = "auto", offs: torch.Tensor | None = None) -> torch.Tensor:
     """``y[rows of group g] = x[rows of group g] @ w_GIO[g]``: G matmuls in one call.
 
     ``x_RI`` holds the groups' rows one after another (``counts[g]`` rows for group ``g``,
@@ -520,7 +532,9 @@ def grouped_matmul(x_RI: torch.Tensor, w_GIO: torch.Tensor, counts: list[int] | 
     ``impl``: ``"grouped_mm"`` (torch's grouped GEMM, ``torch.nn.functional.grouped_mm`` /
     ``torch._grouped_mm``: one kernel over every group), ``"bmm"`` (pad every group to the
     largest, one ``bmm``: wasted work when the counts are uneven), ``"loop"`` (one ``mm``
-    per group), ``"auto"``: :func:`pick_grouped_impl`.
+    per group), ``"auto"``: :func:`pick_grouped_impl`. ``offs``: the running sums of
+    ``counts`` as int32 on x's device, for callers that run several grouped matmuls over the
+    same groups (built from ``counts`` when None).
     """
     if impl not in GROUPED_IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {GROUPED_IMPLS}")
@@ -545,8 +559,8 @@ def grouped_matmul(x_RI: torch.Tensor, w_GIO: torch.Tensor, counts: list[int] | 
                              f"({16 // x_RI.element_size()} {x_RI.dtype} elements): pad them, or "
                              f"pass impl='auto' (then such shapes run the loop)")
         x_RI, w_GIO = x_RI.contiguous(), w_GIO.contiguous()
-        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32,
-                            device=x_RI.device)
+        if offs is None:
+            offs = host_ints(list(itertools.accumulate(counts)), x_RI.device)
         # its backward refuses gradients with zero strides (``y.sum()``'s): make them dense
         return _DenseGrad.apply(_torch_grouped_mm()(x_RI, w_GIO, offs=offs))
     if impl == "loop":  # unbind: one gradient for the stacked weight, not one per slice

@@ -504,7 +504,8 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (T)")
-    p.add_argument("--part", choices=("all", "baseline", "schedule", "external", "grouped"),
+    p.add_argument("--part", choices=("all", "baseline", "schedule", "external", "grouped",
+                                      "layer"),
                    default="all",
                    help="baseline: MoELayer vs naive (moe.*); schedule: issue 7's comparison; "
                         "external: vs DeepSpeed and torchtitan (moe_external.*)")
@@ -532,6 +533,8 @@ def main(argv=None) -> dict:
         out["external"] = _external(args)
     if args.part in ("all", "grouped"):
         out["grouped"] = _grouped(args)
+    if args.part == "layer":  # (on a GPU: gpu-check runs it)
+        out["layer"] = _layer_vs_floor(args)
     return out
 
 
@@ -623,6 +626,105 @@ def _grouped_table(result) -> str:
         lines.append(f"| {r['shape']} | {r['experts']} x {r['rows']}, {r['d_model']} -> "
                      f"{r['d_ff']} | {r['dtype']} | {t['grouped_mm']:.1f} | {t['bmm']:.1f} | "
                      f"{t['loop']:.1f} | {r['fastest']} | {r['auto']} |")
+    return "\n".join(lines) + "\n"
+
+
+#: (name, experts, top-k, D, F, shared F or 0, score, tokens): one rank's MoE layer under
+#: expert parallelism, its experts only (the layer on one device, nothing to exchange)
+LAYER_SHAPES = [("CPU deepseek size", 16, 4, 256, 128, 256, "sigmoid", 4096),
+                ("DeepSeek-V3 / 8 ranks", 32, 8, 7168, 2048, 2048, "sigmoid", 8192),
+                ("Qwen3-30B-A3B / 8 ranks", 16, 8, 2048, 768, 0, "softmax", 8192)]
+
+
+def _layer_vs_floor(args) -> dict:
+    """The whole layer (router, top-k, permutation, exchange, grouped experts, combine, shared
+    expert) against its compute floor (the same grouped matmuls on the rows the experts
+    received, and the shared expert on the tokens), forward+backward, one rank on one device:
+    what the layer adds to the matmuls. bf16 on a GPU (wall, synchronised), fp32 on the CPU
+    (CPU time, the small shape only). Paired: the two alternate, ratio per round."""
+    from tribucket.moe import GroupedExperts, MoELayer, SwiGLUExpert
+
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    clock = time.perf_counter if cuda else time.process_time
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        dev = torch.device("cuda", dev.index or 0)
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
+        dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    load_before = os.getloadavg()[0]
+    rows = []
+    for name, L, K, Dm, Fh, Fs, score, T in LAYER_SHAPES if cuda else LAYER_SHAPES[:1]:
+        torch.manual_seed(0)
+        shared = SwiGLUExpert(Dm, Fs, device=dev, dtype=dtype) if Fs else None
+        layer = MoELayer(GroupedExperts(L, Dm, Fh, device=dev, dtype=dtype), L, Dm, top_k=K,
+                         shared_experts=shared, score_func=score,
+                         bias_update_rate=1e-3 if score == "sigmoid" else None).to(dev)
+        x = torch.randn(T, Dm, device=dev, dtype=dtype)
+        gy = torch.randn(T, Dm, device=dev, dtype=dtype)
+        layer(x)
+        counts = list(layer.stats.tokens_received)
+        rows_x = torch.randn(sum(counts), Dm, device=dev, dtype=dtype)
+
+        def run_layer():
+            xs = x.clone().requires_grad_()
+            (layer(xs) * gy).sum().backward()
+            layer.zero_grad(set_to_none=True)
+
+        def run_floor():
+            r = rows_x.clone().requires_grad_()
+            loss = layer.experts(r, counts).sum()
+            if shared is not None:
+                loss = loss + shared(x.clone().requires_grad_()).sum()
+            loss.backward()
+            layer.zero_grad(set_to_none=True)
+
+        times = {"layer": [], "floor": []}
+        for rnd in range(2 + args.grouped_rounds):
+            for what, fn in (("layer", run_layer), ("floor", run_floor)):
+                sync()
+                t0 = clock()
+                fn()
+                sync()
+                if rnd >= 2:
+                    times[what].append(1e3 * (clock() - t0))
+        ratio = statistics.median(a / b for a, b in zip(times["layer"], times["floor"]))
+        rows.append(dict(shape=name, experts=L, top_k=K, d_model=Dm, d_ff=Fh, shared_ff=Fs,
+                         score=score, tokens=T, rows=sum(counts), dtype=str(dtype)[6:],
+                         layer_ms=statistics.median(times["layer"]),
+                         floor_ms=statistics.median(times["floor"]), ratio=ratio,
+                         layer_steps_ms=times["layer"], floor_steps_ms=times["floor"]))
+        del layer, shared
+    machine = _machine(load_before)
+    if cuda:
+        machine["device"] = torch.cuda.get_device_name(dev)
+    result = dict(config=dict(device=dev.type, rounds=args.grouped_rounds, world_size=1,
+                              clock="wall, device synchronised" if cuda else "CPU time"),
+                  machine=machine, rows=rows)
+    dist.destroy_process_group()
+    return _write("moe_layer_floor", result, _layer_floor_table, lambda r, p: None)
+
+
+def _layer_floor_table(result) -> str:
+    m, c = result["machine"], result["config"]
+    where = (f"one {m['device']} ({m['cores']} CPU cores, torch {m['torch']}), bf16, wall ms "
+             f"between device synchronisations" if c["device"] == "cuda" else
+             f"one CPU process ({m['cores']}-core CPU, torch {m['torch']}), fp32, CPU ms")
+    lines = [f"MoE layer forward+backward against its compute floor, one rank, {where}; median "
+             f"of {c['rounds']} rounds, the two alternating; ratio: median of the per-round "
+             f"ratios.", "",
+             "| shape | experts, top-k, D -> F | shared F | tokens | expert rows | layer (ms) | "
+             "compute floor (ms) | layer / floor |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in result["rows"]:
+        lines.append(f"| {r['shape']} | {r['experts']}, top-{r['top_k']} ({r['score']}), "
+                     f"{r['d_model']} -> {r['d_ff']} | {r['shared_ff'] or '-'} | {r['tokens']} | "
+                     f"{r['rows']} | {r['layer_ms']:.2f} | {r['floor_ms']:.2f} | "
+                     f"{r['ratio']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

@@ -14,7 +14,9 @@ to ``perf/results/gpu/<step>.log`` and a summary to ``perf/results/gpu/summary.j
    this machine's triton);
 5. ``moe``: ``perf/bench_moe.py --part grouped --device cuda``: the MoE experts' grouped
    matmul against the padded ``bmm`` and the loop of matmuls, per dtype, at the CPU's shapes
-   and at DeepSeek-V3's, Mixtral's and Qwen3-MoE's (what ``impl="auto"`` should pick).
+   and at DeepSeek-V3's, Mixtral's and Qwen3-MoE's (what ``impl="auto"`` should pick);
+6. ``moe_layer``: ``perf/bench_moe.py --part layer --device cuda``: the whole MoE layer on
+   one GPU against its compute floor (what routing, permutation and combine add).
 
 Every step runs even if an earlier one failed; the exit status is 0 only if all passed.
 Without a GPU it stops before running anything, with the reason.
@@ -37,7 +39,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "perf" / "results" / "gpu"
-STEPS = ("tests", "pack", "step", "kernels", "moe")
+STEPS = ("tests", "pack", "step", "kernels", "moe", "moe_layer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +91,8 @@ def plan(out: pathlib.Path, gpus: int, python: str = sys.executable) -> list[Ste
         Step("kernels", (python, "perf/kernel_report.py", "--out", str(out)), no_interpret),
         Step("moe", (python, "perf/bench_moe.py", "--part", "grouped", "--device", "cuda",
                      "--grouped-rounds", "5", "--results", str(out)), no_interpret),
+        Step("moe_layer", (python, "perf/bench_moe.py", "--part", "layer", "--device", "cuda",
+                           "--grouped-rounds", "7", "--results", str(out)), no_interpret),
     ]
 
 

@@ -68,6 +68,7 @@ def test_plan_runs_every_piece_into_one_directory(tmp_path):
         assert by["kernels"][1] == "perf/kernel_report.py"
         assert by["moe"][1:6] == ("perf/bench_moe.py", "--part", "grouped", "--device", "cuda")
         assert by["moe"][by["moe"].index("--results") + 1] == str(tmp_path)
+        assert by["moe_layer"][1:4] == ("perf/bench_moe.py", "--part", "layer")
         for name in ("pack", "step", "kernels"):
             argv = by[name]
             assert argv[argv.index("--out") + 1] == str(tmp_path), name

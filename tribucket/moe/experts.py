@@ -16,13 +16,14 @@ list of such modules loads into a grouped layer and back.
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F_
 from torch import nn
 
-from ..kernels.moe import GROUPED_IMPLS, grouped_matmul
+from ..kernels.moe import GROUPED_IMPLS, grouped_matmul, host_ints
 
 __all__ = ["ACTIVATIONS", "GELUExpert", "GroupedExperts", "SwiGLUExpert"]
 
@@ -117,21 +118,26 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"tokens_per_expert {counts} must have one count per expert "
                              f"({self.num_experts}) adding up to x_RD's {x_RD.shape[0]} rows")
         x_RD = x_RD.to(self.w1.dtype)
-        h_RF = grouped_matmul(x_RD, self.w1, counts, impl=self.impl)
+        # the groups' offsets go to the device once per forward, without a host stall (a
+        # pageable copy per projection synchronised the host three times)
+        offs = (host_ints(list(itertools.accumulate(counts)), x_RD.device)
+                if x_RD.is_cuda else None)
+        h_RF = grouped_matmul(x_RD, self.w1, counts, impl=self.impl, offs=offs)
         if self.b1 is not None:
             h_RF = h_RF + self._per_row(self.b1, counts)
         if self.w3 is not None:
-            h_RF = F_.silu(h_RF) * grouped_matmul(x_RD, self.w3, counts, impl=self.impl)
+            h_RF = F_.silu(h_RF) * grouped_matmul(x_RD, self.w3, counts, impl=self.impl,
+                                                  offs=offs)
         else:
             h_RF = F_.gelu(h_RF)
-        y_RD = grouped_matmul(h_RF, self.w2, counts, impl=self.impl)
+        y_RD = grouped_matmul(h_RF, self.w2, counts, impl=self.impl, offs=offs)
         if self.b2 is not None:
             y_RD = y_RD + self._per_row(self.b2, counts)
         return y_RD
 
     @staticmethod
     def _per_row(b_LX: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return b_LX.repeat_interleave(torch.tensor(counts, device=b_LX.device), dim=0,
+        return b_LX.repeat_interleave(host_ints(counts, b_LX.device, torch.int64), dim=0,
                                       output_size=sum(counts))
 
     # -- to and from a list of modules (checkpoints, gathered_experts) ------------------
