@@ -102,6 +102,7 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
             "median_s": {k: statistics.median(v) for k, v in times.items()},
             "all_s": times,
             "buckets": {k: steps[k][3].stats.buckets for k in variants},
+            "layouts": {k: steps[k][3]._bw.layout.bucket_indices() for k in variants},
             "tuning": tuning,
         }
         with open(out_path, "w") as f:
@@ -114,34 +115,99 @@ def measure(model_name: str, rounds: int, warmup: int, variants: list = VARIANTS
                          rounds, warmup, 2, list(variants))
 
 
+def by_layout(res: dict) -> dict:
+    """Variants with the same buckets are one configuration measured several times: their
+    steps are pooled per round (mean over the variants), and a configuration's figure is the
+    median over rounds. ``{"of": variant -> layout letter, "median_s": letter -> s,
+    "rounds_s": letter -> per-round s, "spread": the largest gap between two variants of one
+    layout (their medians, max/min - 1): the run's noise floor}``."""
+    letters, of = {}, {}
+    for v in VARIANTS:
+        key = repr(res["layouts"][v])
+        of[v] = letters.setdefault(key, "ABCDEFGHIJKLMNOP"[len(letters)])
+    rounds_s = {}
+    for letter in sorted(set(of.values())):
+        members = [v for v in VARIANTS if of[v] == letter]
+        rounds_s[letter] = [statistics.fmean(r) for r in zip(*(res["all_s"][v] for v in members))]
+    spread = max((max(res["median_s"][v] for v in VARIANTS if of[v] == letter)
+                  / min(res["median_s"][v] for v in VARIANTS if of[v] == letter) - 1
+                  for letter in rounds_s), default=0.0)
+    return dict(of=of, rounds_s=rounds_s,
+                median_s={k: statistics.median(v) for k, v in rounds_s.items()}, spread=spread)
+
+
+def paired(a: list[float], b: list[float]) -> float:
+    """Median over rounds of a/b (the same round: the same machine load)."""
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def verdicts(res: dict) -> dict:
+    """auto against the best fixed cap and the default, by layout (pooled, paired per round)."""
+    lay = by_layout(res)
+    fixed = [v for v in VARIANTS if not v.startswith("auto")]
+    best = min({lay["of"][v] for v in fixed}, key=lay["median_s"].__getitem__)
+    out = dict(best_layout=best, best_variants=[v for v in fixed if lay["of"][v] == best],
+               noise_floor=lay["spread"], layout_of=lay["of"])
+    r = lay["rounds_s"]
+    for v in ("auto", "auto both"):
+        mine = lay["of"][v]
+        out[v] = dict(layout=mine, vs_best=paired(r[mine], r[best]),
+                      vs_default=paired(r[mine], r[lay["of"]["default"]]),
+                      same_layout_as_best=mine == best)
+    return out
+
+
 def table(results: list[dict], meta: dict) -> str:
     load = meta["loadavg"]
     lines = [f"Training step (forward, backward, SGD), 2 gloo ranks x 1 intra-op thread on a "
              f"{meta['cpus']}-CPU {meta['machine']} machine, torch {meta['torch']}; median of "
              f"{meta['rounds']} rounds after {meta['warmup']} warm-up, variants interleaved "
              f"(the auto variants tuned first); 1-min load average {load[0]:.2f} at the start, "
-             f"{meta['load_end'][0]:.2f} at the end.", "",
-             "| model | variant | step (ms) | vs best fixed | vs default | buckets |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
-    verdicts = []
+             f"{meta['load_end'][0]:.2f} at the end. Layout: variants with the same letter have "
+             f"the same buckets; by layout: their steps pooled per round, the median over "
+             f"rounds, against the best layout of a fixed cap.", "",
+             "| model | variant | step (ms) | vs best fixed | vs default | buckets | layout | "
+             "layout (ms) | layout vs best |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+    notes = []
     for res in results:
         med = res["median_s"]
         fixed = [v for v in VARIANTS if not v.startswith("auto")]
-        best = min(fixed, key=med.__getitem__)
+        best_v = min(fixed, key=med.__getitem__)
         label = f"{res['model']} ({res['tensors']} tensors, {res['grad_mib']:.1f} MiB)"
+        if "layouts" not in res:  # a run from before the layouts were recorded
+            lay, ver = None, None
+        else:
+            lay, ver = by_layout(res), verdicts(res)
         for v in VARIANTS:
-            lines.append(f"| {label} | {v} | {med[v] * 1e3:.1f} | {med[v] / med[best]:.2f}× | "
-                         f"{med[v] / med['default']:.2f}× | {res['buckets'][v]} |")
+            row = (f"| {label} | {v} | {med[v] * 1e3:.1f} | {med[v] / med[best_v]:.2f}× | "
+                   f"{med[v] / med['default']:.2f}× | {res['buckets'][v]} |")
+            if lay is None:
+                row += " - | - | - |"
+            else:
+                letter = lay["of"][v]
+                row += (f" {letter} | {lay['median_s'][letter] * 1e3:.1f} | "
+                        f"{paired(lay['rounds_s'][letter], lay['rounds_s'][ver['best_layout']]):.2f}× |")
+            lines.append(row)
         for v in ("auto", "auto both"):
             t = res["tuning"][v]
-            verdicts.append(
-                f"{res['model']} {v}: {med[v] / med[best]:.2f}x the best fixed ({best}), "
-                f"{med[v] / med['default']:.2f}x the default; tuned in {t['steps']} steps "
-                f"({t['seconds']:.1f} s), candidates (cap/first MiB) "
+            head = f"{res['model']} {v}: "
+            if ver is not None:
+                a = ver[v]
+                head += (f"layout {a['layout']}, {a['vs_best']:.2f}x the best layout of a fixed "
+                         f"cap ({ver['best_layout']}: {', '.join(ver['best_variants'])}), "
+                         f"{a['vs_default']:.2f}x the default's (paired per round); ")
+            notes.append(
+                head + f"as its own variant {med[v] / med[best_v]:.2f}x the best fixed "
+                f"({best_v}) and {med[v] / med['default']:.2f}x the default; tuned in "
+                f"{t['steps']} steps ({t['seconds']:.1f} s), candidates (cap/first MiB) "
                 f"{t['autotune_candidates_mb']}, median step ns (max over ranks) "
                 f"{t['autotune_median_step_ns']}, chose {t['autotune_bucket_cap_mb']}/"
                 f"{t['autotune_first_bucket_cap_mb']} MiB")
-    lines += ["", "Tuning:", ""] + [f"- {v}" for v in verdicts]
+        if ver is not None:
+            notes.append(f"{res['model']}: noise floor of this run {ver['noise_floor'] * 100:.1f}% "
+                         f"(the largest gap between two variants with the same buckets)")
+    lines += ["", "Tuning:", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines)
 
 
