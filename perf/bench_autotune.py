@@ -102,7 +102,9 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
             "median_s": {k: statistics.median(v) for k, v in times.items()},
             "all_s": times,
             "buckets": {k: steps[k][3].stats.buckets for k in variants},
-            "layouts": {k: steps[k][3]._bw.layout.bucket_indices() for k in variants},
+            # each variant's buckets (parameter indices), compact: what by_layout compares
+            "layouts": {k: json.dumps(steps[k][3]._bw.layout.bucket_indices(),
+                                      separators=(",", ":")) for k in variants},
             "tuning": tuning,
         }
         with open(out_path, "w") as f:
@@ -117,10 +119,12 @@ def measure(model_name: str, rounds: int, warmup: int, variants: list = VARIANTS
 
 def by_layout(res: dict) -> dict:
     """Variants with the same buckets are one configuration measured several times: their
-    steps are pooled per round (mean over the variants), and a configuration's figure is the
-    median over rounds. ``{"of": variant -> layout letter, "median_s": letter -> s,
-    "rounds_s": letter -> per-round s, "spread": the largest gap between two variants of one
-    layout (their medians, max/min - 1): the run's noise floor}``."""
+    steps are pooled per round (mean over the variants). Each round is then divided by its
+    mean over the layouts (drift in machine load cancels), and a layout's score is the median
+    of that over rounds. ``{"of": variant -> layout letter, "median_s": letter -> median
+    pooled step (s), "score": letter -> median relative step, "spread": the largest gap
+    between two variants of one layout (their medians, max/min - 1): the run's noise
+    floor}``."""
     letters, of = {}, {}
     for v in VARIANTS:
         key = repr(res["layouts"][v])
@@ -129,30 +133,28 @@ def by_layout(res: dict) -> dict:
     for letter in sorted(set(of.values())):
         members = [v for v in VARIANTS if of[v] == letter]
         rounds_s[letter] = [statistics.fmean(r) for r in zip(*(res["all_s"][v] for v in members))]
+    round_mean = [statistics.fmean(r) for r in zip(*rounds_s.values())]
+    score = {k: statistics.median(a / m for a, m in zip(v, round_mean))
+             for k, v in rounds_s.items()}
     spread = max((max(res["median_s"][v] for v in VARIANTS if of[v] == letter)
                   / min(res["median_s"][v] for v in VARIANTS if of[v] == letter) - 1
                   for letter in rounds_s), default=0.0)
-    return dict(of=of, rounds_s=rounds_s,
-                median_s={k: statistics.median(v) for k, v in rounds_s.items()}, spread=spread)
-
-
-def paired(a: list[float], b: list[float]) -> float:
-    """Median over rounds of a/b (the same round: the same machine load)."""
-    return statistics.median(x / y for x, y in zip(a, b))
+    return dict(of=of, median_s={k: statistics.median(v) for k, v in rounds_s.items()},
+                score=score, spread=spread)
 
 
 def verdicts(res: dict) -> dict:
-    """auto against the best fixed cap and the default, by layout (pooled, paired per round)."""
+    """auto against the best fixed cap and the default, by layout (pooled, per round)."""
     lay = by_layout(res)
     fixed = [v for v in VARIANTS if not v.startswith("auto")]
-    best = min({lay["of"][v] for v in fixed}, key=lay["median_s"].__getitem__)
+    best = min({lay["of"][v] for v in fixed}, key=lambda k: (lay["score"][k], k))
     out = dict(best_layout=best, best_variants=[v for v in fixed if lay["of"][v] == best],
                noise_floor=lay["spread"], layout_of=lay["of"])
-    r = lay["rounds_s"]
+    sc = lay["score"]
     for v in ("auto", "auto both"):
         mine = lay["of"][v]
-        out[v] = dict(layout=mine, vs_best=paired(r[mine], r[best]),
-                      vs_default=paired(r[mine], r[lay["of"]["default"]]),
+        out[v] = dict(layout=mine, vs_best=sc[mine] / sc[best],
+                      vs_default=sc[mine] / sc[lay["of"]["default"]],
                       same_layout_as_best=mine == best)
     return out
 
@@ -164,8 +166,9 @@ def table(results: list[dict], meta: dict) -> str:
              f"{meta['rounds']} rounds after {meta['warmup']} warm-up, variants interleaved "
              f"(the auto variants tuned first); 1-min load average {load[0]:.2f} at the start, "
              f"{meta['load_end'][0]:.2f} at the end. Layout: variants with the same letter have "
-             f"the same buckets; by layout: their steps pooled per round, the median over "
-             f"rounds, against the best layout of a fixed cap.", "",
+             f"the same buckets; by layout: their steps pooled per round (layout (ms): the median "
+             f"over rounds); layout vs best: each round divided by its mean over the layouts, "
+             f"the median over rounds, against the best layout of a fixed cap.", "",
              "| model | variant | step (ms) | vs best fixed | vs default | buckets | layout | "
              "layout (ms) | layout vs best |",
              "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
@@ -187,7 +190,7 @@ def table(results: list[dict], meta: dict) -> str:
             else:
                 letter = lay["of"][v]
                 row += (f" {letter} | {lay['median_s'][letter] * 1e3:.1f} | "
-                        f"{paired(lay['rounds_s'][letter], lay['rounds_s'][ver['best_layout']]):.2f}× |")
+                        f"{lay['score'][letter] / lay['score'][ver['best_layout']]:.2f}× |")
             lines.append(row)
         for v in ("auto", "auto both"):
             t = res["tuning"][v]
@@ -196,7 +199,7 @@ def table(results: list[dict], meta: dict) -> str:
                 a = ver[v]
                 head += (f"layout {a['layout']}, {a['vs_best']:.2f}x the best layout of a fixed "
                          f"cap ({ver['best_layout']}: {', '.join(ver['best_variants'])}), "
-                         f"{a['vs_default']:.2f}x the default's (paired per round); ")
+                         f"{a['vs_default']:.2f}x the default's (by layout); ")
             notes.append(
                 head + f"as its own variant {med[v] / med[best_v]:.2f}x the best fixed "
                 f"({best_v}) and {med[v] / med['default']:.2f}x the default; tuned in "
