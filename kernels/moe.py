@@ -495,18 +495,38 @@ def grouped_mm_available(device: torch.device | str, dtype: torch.dtype) -> bool
 _GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def pick_grouped_impl(device: torch.device | str, dtype: torch.dtype) -> str:
+#: on the CPU in fp32, groups of at least this many rows on average run as a loop of
+#: matmuls; smaller ones through torch's grouped GEMM (measured: below)
+CPU_LOOP_MIN_ROWS = 1536
+
+
+def pick_grouped_impl(device: torch.device | str, dtype: torch.dtype,
+                      rows_per_group: float | None = None) -> str:
     """What ``impl="auto"`` runs, measured forward + backward (``perf/bench_moe.py --part
     grouped [--device cuda]``, results in ``perf/results/moe_grouped.md`` and
-    ``perf/results/gpu/moe_grouped.md``). On a 2-core CPU, torch 2.13: in fp32 torch's grouped
-    GEMM is as fast as the loop or faster, the padded bmm slower than both; in bf16 the grouped
-    GEMM is slower than the loop, so on CPU only fp32 takes it. On an H200, torch 2.11: in bf16
-    the grouped GEMM is the fastest at 7 of 8 shapes (up to 3.7x the loop with many small
-    experts, within 5% of it at the 8th), in fp32 within 1% of the loop at model sizes: it is
-    taken wherever it runs."""
-    if torch.device(device).type == "cpu" and dtype != torch.float32:
-        return "loop"
+    ``perf/results/gpu/moe_grouped.md``).
+
+    On a 2-core CPU, torch 2.13, fp32: torch's grouped GEMM wins with many small groups (16
+    experts of ~1,000 rows, D 256 -> F 128: 6% faster than a loop of matmuls; 8 of 512 rows:
+    3%), a loop wins with few large ones (4 experts of ~2,100 rows, 256 -> 1024: the loop of
+    whole expert MLPs 12% faster; 2 of ~2,050 rows, 64 -> 128: 7%), so ``rows_per_group``
+    (the mean) decides, at :data:`CPU_LOOP_MIN_ROWS`. In bf16 the CPU's grouped GEMM is
+    slower than the loop: only fp32 takes it. On an H200, torch 2.11: in bf16 the grouped
+    GEMM is the fastest at 7 of 8 shapes (up to 3.7x the loop with many small experts,
+    within 5% of it at the 8th), in fp32 within 1% of the loop at model sizes: it is taken
+    wherever it runs."""
+    if torch.device(device).type == "cpu":
+        if dtype != torch.float32:
+            return "loop"
+        if rows_per_group is not None and rows_per_group >= CPU_LOOP_MIN_ROWS:
+            return "loop"
     return "grouped_mm" if grouped_mm_available(device, dtype) else "loop"
+
+
+def grouped_mm_aligned(w_GIO: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes ``w_GIO``: rows of a multiple of 16 bytes (its last
+    two dimensions: 4 fp32, 8 bf16 elements)."""
+    return all(n * w_GIO.element_size() % 16 == 0 for n in w_GIO.shape[1:])
 
 
 def host_ints(values: Sequence[int], device: torch.device | str,
@@ -546,9 +566,10 @@ def grouped_matmul(x_RI: torch.Tensor, w_GIO: torch.Tensor, counts: list[int] | 
         raise ValueError(f"counts {list(counts)} must have one entry per group ({G}) adding up "
                          f"to x's {x_RI.shape[0]} rows")
     # torch's grouped GEMM needs rows of a multiple of 16 bytes (I and O: 4 fp32, 8 bf16)
-    aligned = all(n * x_RI.element_size() % 16 == 0 for n in w_GIO.shape[1:])
+    aligned = grouped_mm_aligned(w_GIO)
     if impl == "auto":
-        impl = pick_grouped_impl(x_RI.device, x_RI.dtype) if aligned else "loop"
+        impl = (pick_grouped_impl(x_RI.device, x_RI.dtype, x_RI.shape[0] / max(G, 1))
+                if aligned else "loop")
     if impl == "grouped_mm":
         if not grouped_mm_available(x_RI.device, x_RI.dtype):
             raise RuntimeError(f"torch {torch.__version__} has no grouped GEMM for "

@@ -589,7 +589,7 @@ def _grouped(args) -> dict:
             med = {impl: 1e3 * statistics.median(t) for impl, t in times.items()}
             rows.append(dict(shape=name, experts=L, rows=R, d_model=Dm, d_ff=Fh,
                              dtype=str(dtype).replace("torch.", ""), ms=med,
-                             fastest=min(med, key=med.get), auto=_auto_pick(dev, dtype)))
+                             fastest=min(med, key=med.get), auto=_auto_pick(dev, dtype, R / L)))
             del experts
     machine = _machine(load_before)
     if cuda:
@@ -601,10 +601,10 @@ def _grouped(args) -> dict:
     return _write("moe_grouped", result, _grouped_table, lambda r, p: None)
 
 
-def _auto_pick(device, dtype) -> str:
+def _auto_pick(device, dtype, rows_per_group) -> str:
     from tribucket.kernels.moe import pick_grouped_impl
 
-    return pick_grouped_impl(device, dtype)
+    return pick_grouped_impl(device, dtype, rows_per_group)
 
 
 def _grouped_table(result) -> str:
@@ -619,7 +619,7 @@ def _grouped_table(result) -> str:
                 f"1-min load average {m['load_avg_1min']['before']:.1f} before); CPU ms, median "
                 f"of {c['rounds']} interleaved rounds.")
     lines = [head, "",
-             "| shape | experts x rows, D -> F | dtype | grouped_mm | bmm (padded) | loop | "
+             "| shape | experts x rows, D -> F | dtype | grouped_mm | bmm (padded) | loop (expert by expert) | "
              "fastest | auto picks |", "| --- | --- | --- | ---: | ---: | ---: | --- | --- |"]
     for r in result["rows"]:
         t = r.get("ms", r.get("cpu_ms"))

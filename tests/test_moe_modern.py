@@ -109,10 +109,11 @@ def test_grouped_matmul_equals_a_matmul_per_group(impl, dtype, atol, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ["auto", "grouped_mm", "bmm", "loop"])
 @pytest.mark.parametrize("kind", ["swiglu", "gelu", "sequential"])
-def test_grouped_experts_equal_the_modules_forward_and_backward(kind, device):
+def test_grouped_experts_equal_the_modules_forward_and_backward(kind, impl, device):
     modules = [m.to(device) for m in _experts(kind, 4, seed=1)]
-    grouped = GroupedExperts.from_experts(copy.deepcopy(modules))
+    grouped = GroupedExperts.from_experts(copy.deepcopy(modules), impl=impl)
     assert grouped.w1.device.type == device
     counts = [3, 0, 6, 2]
     x = torch.randn(sum(counts), D, device=device)
@@ -132,6 +133,28 @@ def test_grouped_experts_equal_the_modules_forward_and_backward(kind, device):
         if kind != "swiglu":
             _close(f"expert {l} b1.grad", grouped.b1.grad[l], linears[0].bias.grad, atol=1e-5)
             _close(f"expert {l} b2.grad", grouped.b2.grad[l], linears[1].bias.grad, atol=1e-5)
+
+
+def test_auto_runs_few_large_cpu_groups_expert_by_expert(monkeypatch):
+    """On the CPU in fp32, ``auto`` takes torch's grouped GEMM for small groups and runs the
+    experts one by one (whole MLPs) from CPU_LOOP_MIN_ROWS rows per expert on; bf16 loops."""
+    import tribucket.kernels.moe as kmoe
+    from tribucket.moe import experts as experts_mod
+
+    min_rows = kmoe.CPU_LOOP_MIN_ROWS
+    assert kmoe.pick_grouped_impl("cpu", torch.float32, min_rows - 1) == "grouped_mm"
+    assert kmoe.pick_grouped_impl("cpu", torch.float32, min_rows) == "loop"
+    assert kmoe.pick_grouped_impl("cpu", torch.float32) == "grouped_mm"
+    assert kmoe.pick_grouped_impl("cpu", torch.bfloat16, 10) == "loop"
+    calls = []
+    real = experts_mod.grouped_matmul
+    monkeypatch.setattr(experts_mod, "grouped_matmul",
+                        lambda *a, **kw: calls.append(kw["impl"]) or real(*a, **kw))
+    m = GroupedExperts(2, 16, 16)
+    for rows, want in ((2 * (min_rows - 1), ["grouped_mm"] * 3), (2 * min_rows, [])):
+        calls.clear()
+        m(torch.randn(rows, 16), [rows // 2, rows // 2])
+        assert calls == want, (rows, calls)
 
 
 def test_grouped_experts_state_dict_is_the_module_list_s():

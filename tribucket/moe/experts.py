@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F_
 from torch import nn
 
-from ..kernels.moe import GROUPED_IMPLS, grouped_matmul, host_ints
+from ..kernels.moe import (GROUPED_IMPLS, grouped_matmul, grouped_mm_aligned, host_ints,
+                           pick_grouped_impl)
 
 __all__ = ["ACTIVATIONS", "GELUExpert", "GroupedExperts", "SwiGLUExpert"]
 
@@ -64,8 +65,10 @@ class GroupedExperts(nn.Module):
     experts' outputs in the same order. Equal to calling :class:`SwiGLUExpert` (or
     :class:`GELUExpert`) ``l`` on its rows, up to fp summation order.
 
-    ``impl`` picks the matmul (:func:`~tribucket.kernels.moe.grouped_matmul`): ``"auto"``
-    is torch's grouped GEMM where it runs, else a loop of matmuls. ``first_index`` is the
+    ``impl`` picks how the matmuls run: ``"grouped_mm"`` (torch's grouped GEMM, one call
+    per projection), ``"bmm"`` (padded), ``"loop"`` (each expert's whole MLP in turn), or
+    ``"auto"`` (:func:`~tribucket.kernels.moe.pick_grouped_impl`: the grouped GEMM on a GPU;
+    on the CPU the grouped GEMM for many small groups in fp32, else the loop). ``first_index`` is the
     global index of the first expert (what ``state_dict`` names it; :class:`MoELayer` sets
     it to the rank's ``expert_offset``).
 
@@ -118,22 +121,43 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"tokens_per_expert {counts} must have one count per expert "
                              f"({self.num_experts}) adding up to x_RD's {x_RD.shape[0]} rows")
         x_RD = x_RD.to(self.w1.dtype)
+        impl = self.impl
+        if impl == "auto":  # one choice for the three projections (their shapes share D, F)
+            impl = (pick_grouped_impl(x_RD.device, x_RD.dtype, len(x_RD) / self.num_experts)
+                    if grouped_mm_aligned(self.w1) else "loop")
+        if impl == "loop":
+            return self._expert_by_expert(x_RD, counts)
         # the groups' offsets go to the device once per forward, without a host stall (a
         # pageable copy per projection synchronised the host three times)
         offs = (host_ints(list(itertools.accumulate(counts)), x_RD.device)
                 if x_RD.is_cuda else None)
-        h_RF = grouped_matmul(x_RD, self.w1, counts, impl=self.impl, offs=offs)
+        h_RF = grouped_matmul(x_RD, self.w1, counts, impl=impl, offs=offs)
         if self.b1 is not None:
             h_RF = h_RF + self._per_row(self.b1, counts)
         if self.w3 is not None:
-            h_RF = F_.silu(h_RF) * grouped_matmul(x_RD, self.w3, counts, impl=self.impl,
-                                                  offs=offs)
+            h_RF = F_.silu(h_RF) * grouped_matmul(x_RD, self.w3, counts, impl=impl, offs=offs)
         else:
             h_RF = F_.gelu(h_RF)
-        y_RD = grouped_matmul(h_RF, self.w2, counts, impl=self.impl, offs=offs)
+        y_RD = grouped_matmul(h_RF, self.w2, counts, impl=impl, offs=offs)
         if self.b2 is not None:
             y_RD = y_RD + self._per_row(self.b2, counts)
         return y_RD
+
+    def _expert_by_expert(self, x_RD: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``impl="loop"``: each expert's whole MLP on its rows, one expert after the other,
+        and one concatenation at the end (a loop per projection would concatenate three
+        times; on the CPU this is 6-14% faster than that). ``unbind`` hands each stacked
+        weight's gradient back in one piece."""
+        w1, w2 = self.w1.unbind(0), self.w2.unbind(0)
+        w3 = self.w3.unbind(0) if self.w3 is not None else None
+        b1 = self.b1.unbind(0) if self.b1 is not None else None
+        b2 = self.b2.unbind(0) if self.b2 is not None else None
+        outs = []
+        for l, rows in enumerate(x_RD.split(counts)):
+            h = rows @ w1[l] if b1 is None else torch.addmm(b1[l], rows, w1[l])
+            h = F_.silu(h) * (rows @ w3[l]) if w3 is not None else F_.gelu(h)
+            outs.append(h @ w2[l] if b2 is None else torch.addmm(b2[l], h, w2[l]))
+        return torch.cat(outs)
 
     @staticmethod
     def _per_row(b_LX: torch.Tensor, counts: list[int]) -> torch.Tensor:
