@@ -507,14 +507,14 @@ def pick_grouped_impl(device: torch.device | str, dtype: torch.dtype,
     ``perf/results/gpu/moe_grouped.md``).
 
     On a 2-core CPU, torch 2.13, fp32: torch's grouped GEMM wins with many small groups (16
-    experts of ~1,000 rows, D 256 -> F 128: 6% faster than a loop of matmuls; 8 of 512 rows:
-    3%), a loop wins with few large ones (4 experts of ~2,100 rows, 256 -> 1024: the loop of
-    whole expert MLPs 12% faster; 2 of ~2,050 rows, 64 -> 128: 7%), so ``rows_per_group``
-    (the mean) decides, at :data:`CPU_LOOP_MIN_ROWS`. In bf16 the CPU's grouped GEMM is
-    slower than the loop: only fp32 takes it. On an H200, torch 2.11: in bf16 the grouped
-    GEMM is the fastest at 7 of 8 shapes (up to 3.7x the loop with many small experts,
-    within 5% of it at the 8th), in fp32 within 1% of the loop at model sizes: it is taken
-    wherever it runs."""
+    experts of ~1,000 rows, D 256 -> F 128: 1-6% faster than the loop; 8 of 512 rows: 3%);
+    :class:`GroupedExperts`' loop of whole expert MLPs wins with few large ones (4 experts of
+    ~2,100 rows, 256 -> 1024: 12-15% less time; 2 of ~2,050 rows, 64 -> 128: within 3%
+    either way). So ``rows_per_group`` (the mean; GroupedExperts passes it) decides, at
+    :data:`CPU_LOOP_MIN_ROWS`. In bf16 the CPU's grouped GEMM is no faster than the loop:
+    only fp32 takes it. On an H200, torch 2.11: in bf16 the grouped GEMM is the fastest at 7
+    of 8 shapes (up to 3.7x the loop with many small experts, within 5% of it at the 8th), in
+    fp32 within 1% of the loop at model sizes: it is taken wherever it runs."""
     if torch.device(device).type == "cpu":
         if dtype != torch.float32:
             return "loop"
@@ -568,8 +568,9 @@ def grouped_matmul(x_RI: torch.Tensor, w_GIO: torch.Tensor, counts: list[int] | 
     # torch's grouped GEMM needs rows of a multiple of 16 bytes (I and O: 4 fp32, 8 bf16)
     aligned = grouped_mm_aligned(w_GIO)
     if impl == "auto":
-        impl = (pick_grouped_impl(x_RI.device, x_RI.dtype, x_RI.shape[0] / max(G, 1))
-                if aligned else "loop")
+        # (no rows rule here: it is for GroupedExperts' loop of whole expert MLPs; one
+        # projection's loop is no faster than the grouped GEMM on large groups)
+        impl = pick_grouped_impl(x_RI.device, x_RI.dtype) if aligned else "loop"
     if impl == "grouped_mm":
         if not grouped_mm_available(x_RI.device, x_RI.dtype):
             raise RuntimeError(f"torch {torch.__version__} has no grouped GEMM for "
