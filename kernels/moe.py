@@ -513,7 +513,7 @@ def pick_grouped_impl(device: torch.device | str, dtype: torch.dtype,
     either way). So ``rows_per_group`` (the mean; GroupedExperts passes it) decides, at
     :data:`CPU_LOOP_MIN_ROWS`. In bf16 the CPU's grouped GEMM is no faster than the loop:
     only fp32 takes it. On an H200, torch 2.11: in bf16 the grouped GEMM is the fastest at 7
-    of 8 shapes (up to 3.7x the loop with many small experts, within 5% of it at the 8th), in
+    of 8 shapes (up to 3.9x the loop with many small experts, within 8% of it at the 8th), in
     fp32 within 1% of the loop at model sizes: it is taken wherever it runs."""
     if torch.device(device).type == "cpu":
         if dtype != torch.float32:
