@@ -495,8 +495,9 @@ def grouped_mm_available(device: torch.device | str, dtype: torch.dtype) -> bool
 _GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
 
 
-#: on the CPU in fp32, groups of at least this many rows on average run as a loop of
-#: matmuls; smaller ones through torch's grouped GEMM (measured: below)
+#: on the CPU in fp32, GroupedExperts runs experts of at least this many rows on average one
+#: after another (each one's whole MLP), smaller ones through torch's grouped GEMM (measured:
+#: :func:`pick_grouped_impl`)
 CPU_LOOP_MIN_ROWS = 1536
 
 
