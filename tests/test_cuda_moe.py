@@ -5,30 +5,16 @@ runs it."""
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
-import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from _cuda import MARKS, run_script
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = MARKS
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("cuda_moe")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "cuda_moe.py"),
-                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads((tmp_path / "result.json").read_text())
+    return run_script("cuda_moe.py", tmp_path_factory.mktemp("cuda_moe"))
 
 
 def test_layer_matches_dense_reference_on_the_gpu(result):

@@ -5,32 +5,17 @@ CUDA device; ``make gpu-check`` runs it."""
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
-import torch
 
+from _cuda import MARKS, run_script
 from tribucket import trace
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = MARKS
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cuda_reducer")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "cuda_reducer.py"),
-                           str(out)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads((out / "result.json").read_text())
+    return run_script("cuda_reducer.py", tmp_path_factory.mktemp("cuda_reducer"))
 
 
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
