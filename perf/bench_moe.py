@@ -550,6 +550,14 @@ GPU_SHAPES = [("DeepSeek-V3 / 8 ranks", 32, 65536, 7168, 2048),
               ("Qwen3-30B-A3B / 8 ranks", 16, 65536, 2048, 768)]
 
 
+def _timer(cuda: bool):
+    """``(clock, sync)``: wall time between device synchronisations on a GPU; CPU time of
+    the process on the CPU (steadier than wall time on a shared machine)."""
+    if cuda:
+        return time.perf_counter, torch.cuda.synchronize
+    return time.process_time, lambda: None
+
+
 def _grouped(args) -> dict:
     """GroupedExperts (SwiGLU) forward+backward with each grouped_matmul impl, one process:
     which ``impl="auto"`` should pick, per device and dtype. On the CPU: one thread, CPU
@@ -561,8 +569,7 @@ def _grouped(args) -> dict:
     cuda = dev.type == "cuda"
     if not cuda:
         torch.set_num_threads(1)
-    clock = time.perf_counter if cuda else time.process_time
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    clock, sync = _timer(cuda)
     load_before = os.getloadavg()[0]
     rows = []
     for name, L, R, Dm, Fh in GROUPED_SHAPES + (GPU_SHAPES if cuda else []):
@@ -647,8 +654,7 @@ def _layer_vs_floor(args) -> dict:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    clock = time.perf_counter if cuda else time.process_time
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    clock, sync = _timer(cuda)
     if cuda:
         dev = torch.device("cuda", dev.index or 0)
         torch.cuda.set_device(dev)

@@ -25,7 +25,8 @@ earlier candidate, and the default layout (the caps a plain run would use) is ke
 candidate beats it by more than the noise: half the spread of the default's own
 measurements ((max - min) / median, its worst rank; in the same all-reduce), and at least
 :data:`KEEP_DEFAULT_WITHIN` (timing noise must not move a run off the default for nothing:
-on a shared 2-core machine two runs of one layout differ by 5-7%). Same figures, same rule: the same choice on every rank.
+on a shared 2-core machine two runs of one layout differ by 5-7%). Same figures, same rule:
+the same choice on every rank.
 
 Where the layout changes: at the end of a backward pass, after every gradient is averaged and
 in ``.grad`` — the point where the one rebuild already happens — never during one. The
