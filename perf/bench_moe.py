@@ -513,6 +513,9 @@ def main(argv=None) -> dict:
                    metavar=("DEMO", "WIDE", "DEEPSEEK"),
                    help="external: measured steps at the demo, wide and DeepSeek-like sizes")
     p.add_argument("--ext-warmup", type=int, default=2)
+    p.add_argument("--ext-sizes", nargs="+", choices=("demo", "wide", "deepseek"),
+                   default=("demo", "wide", "deepseek"),
+                   help="external: the sizes to run (a smoke run of one size: --results elsewhere)")
     p.add_argument("--worlds", default="2,4", help="world sizes of the schedule comparison")
     p.add_argument("--grouped-rounds", type=int, default=7,
                    help="grouped: measured rounds per shape and dtype")
@@ -742,6 +745,8 @@ def _external(args) -> dict:
     load_before = os.getloadavg()[0]
     runs = []
     for size, n_steps in zip(external.SIZES, args.ext_steps):
+        if size.split()[0] not in args.ext_sizes:
+            continue
         for cf in external.SIZES[size]["factors"]:
             a = copy.copy(args)
             a.ext_size, a.ext_capacity, a.ext_steps = size, cf, n_steps

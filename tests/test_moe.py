@@ -383,6 +383,13 @@ def _bad_input_worker():
     for how in ("shape", "raise"):
         bad = MoELayer([_BadOnRank(bad_rank=W - 1, how=how)], W, D, top_k=1)
         out[how] = _error_of(lambda: bad(torch.randn(6, D)))
+        # with a shared expert, its second half computed beside the return exchange (with
+        # and without autograd): the same errors
+        bad = MoELayer([_BadOnRank(bad_rank=W - 1, how=how)], W, D, top_k=1,
+                       shared_experts=nn.Linear(D, D))
+        out[how + " shared"] = _error_of(lambda: bad(torch.randn(6, D, requires_grad=True)))
+        with torch.no_grad():
+            out[how + " shared no_grad"] = _error_of(lambda: bad(torch.randn(6, D)))
     torch.manual_seed(0)
     out["healthy"] = _in_step(MoELayer([nn.Linear(D, D)], W, D, top_k=1))
     return out
@@ -474,12 +481,14 @@ def test_bad_input_errors_before_collectives(dist_run):
     assert results[0]["ids_range"][0] == "RuntimeError", results[0]["ids_range"]
     assert "rank(s) [1]" in results[0]["ids_range"][1] and "bad input" in results[0]["ids_range"][1]
     # rank 1's expert misbehaves: it raises the real error, rank 0 a RuntimeError naming it
-    assert results[1]["shape"][0] == "ValueError", results[1]["shape"]
-    assert "expert 1 (local expert 0 on rank 1) returned (" in results[1]["shape"][1]
-    assert ", 11) for an input of shape [" in results[1]["shape"][1], results[1]["shape"]
-    assert results[0]["shape"][0] == "RuntimeError" and "rank(s) [1]" in results[0]["shape"][1]
-    assert results[1]["raise"] == ("KeyError", "'expert exploded'"), results[1]["raise"]
-    assert results[0]["raise"][0] == "RuntimeError" and "rank(s) [1]" in results[0]["raise"][1]
+    for extra in ("", " shared", " shared no_grad"):
+        shape, raised = results[1]["shape" + extra], results[1]["raise" + extra]
+        assert shape[0] == "ValueError", shape
+        assert "expert 1 (local expert 0 on rank 1) returned (" in shape[1]
+        assert ", 11) for an input of shape [" in shape[1], shape
+        assert raised == ("KeyError", "'expert exploded'"), raised
+        for peer in (results[0]["shape" + extra], results[0]["raise" + extra]):
+            assert peer[0] == "RuntimeError" and "rank(s) [1]" in peer[1], peer
 
 
 def test_bad_arguments_single_process():

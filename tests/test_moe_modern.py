@@ -429,11 +429,13 @@ def _overlap_order_worker():
 
 @pytest.mark.dist
 def test_shared_expert_runs_while_the_tokens_travel(dist_run):
-    # forward: counts, then the token exchange started, the shared expert, its wait, then the
-    # return exchange; backward: the return's reverse, then the dispatch's reverse started,
-    # the shared expert's backward, its wait. Five all-to-alls, as without a shared expert.
-    want = ["a2a", "start", "shared forward", "wait", "a2a", "a2a", "start", "shared backward",
-            "wait"]
+    # forward: counts, then the token exchange started, the shared expert on the first half
+    # of the tokens, its wait, then the return exchange started, the shared expert on the
+    # second half, its wait; backward: the return's reverse started beside the second half's
+    # backward, then the dispatch's reverse beside the first half's. Five all-to-alls, as
+    # without a shared expert.
+    beside = ["start", "shared forward", "wait"]
+    want = ["a2a"] + beside * 2 + ["start", "shared backward", "wait"] * 2
     results = dist_run(_overlap_order_worker, world_size=2)
     for log, calls, bias in results:
         assert log == want, log

@@ -200,15 +200,30 @@ class MoEDispatcher:
         dispatched rows' dtype). A dropped slot adds nothing; a token with every slot dropped
         gets a zero row.
         """
+        return self._combine(expert_output, meta, None)[0]
+
+    def combine_beside(self, expert_output: torch.Tensor | Sequence[torch.Tensor],
+                       meta: DispatchMeta, side: Callable[[torch.Tensor], torch.Tensor],
+                       side_x: torch.Tensor, side_params: Sequence[torch.Tensor],
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`combine` with ``side(side_x)`` computed while the rows travel home:
+        ``(y_TD, side output)``; in backward, the side's gradients are computed while the
+        outputs' gradients travel back to the experts. As
+        :meth:`exchange_to_experts_beside`'s side, it must not depend on the exchange."""
+        return self._combine(expert_output, meta, (side, side_x, side_params))
+
+    def _combine(self, expert_output, meta: DispatchMeta, beside) -> tuple[torch.Tensor, object]:
         problem, rows = self._check_expert_output(expert_output, meta)
         if not self.check_expert_output or self.world_size == 1:
             if problem is not None:
                 raise ValueError(problem)
-            return self.unpermute(self.exchange_back(rows, meta), meta)
-        back_BD = self._exchange_back_flagged(None if problem is not None else rows, meta)
+            back_ND, side_out = self._exchange_back(rows, meta, beside)
+            return self.unpermute(back_ND, meta), side_out
+        back_BD, side_out = self._exchange_back_flagged(
+            None if problem is not None else rows, meta, beside)
         if problem is not None:
             raise ValueError(problem)
-        return self._unpermute_flagged(back_BD, meta)
+        return self._unpermute_flagged(back_BD, meta), side_out
 
     def fail_combine(self, error: BaseException, meta: DispatchMeta) -> NoReturn:
         """Re-raise ``error`` (raised while computing this rank's experts) on every rank.
@@ -329,25 +344,35 @@ class MoEDispatcher:
         ordinary gradients) are computed while the reverse exchange carries the experts'
         input gradients home. Same collectives as :meth:`exchange`, in the same order.
         """
-        needs = torch.is_grad_enabled() and (
-            send_ND.requires_grad or side_x.requires_grad
-            or any(p.requires_grad for p in side_params))
-        if needs:
-            recv_RD, side_out = _ExchangeBeside.apply(
-                (meta.send_splits, meta.recv_splits, self.group), side, side_x, send_ND,
-                *side_params)
-        else:
-            recv_RD, work = start_exchange(send_ND, meta.send_splits, meta.recv_splits,
-                                           self.group)
-            try:
-                side_out = side(side_x)
-            finally:
-                finish_exchange(work, self.group)
+        recv_RD, side_out = self._all_to_all_beside(send_ND, meta.send_splits,
+                                                    meta.recv_splits, (side, side_x, side_params))
         if not as_list:
             return self._regroup(recv_RD, meta), side_out
         if not meta.regroup:
             return list(recv_RD.split(list(meta.tokens_per_expert))), side_out
         return list(_Regroup.apply(recv_RD, meta.recv_counts_host)), side_out
+
+    def _all_to_all_beside(self, x: torch.Tensor, send_splits: Sequence[int],
+                           recv_splits: Sequence[int], beside) -> tuple[torch.Tensor, object]:
+        """``all_to_all(x)`` and, when ``beside = (side, side_x, side_params)``, ``side(side_x)``
+        computed while the rows travel (forward and backward): ``(rows, side output or
+        None)``."""
+        if beside is None:
+            return all_to_all(x, send_splits, recv_splits, self.group), None
+        side, side_x, side_params = beside
+        if self.world_size == 1:  # nothing travels
+            return x, side(side_x)
+        needs = torch.is_grad_enabled() and (
+            x.requires_grad or side_x.requires_grad or any(p.requires_grad for p in side_params))
+        if needs:
+            return _ExchangeBeside.apply((tuple(send_splits), tuple(recv_splits), self.group),
+                                         side, side_x, x, *side_params)
+        out, work = start_exchange(x, send_splits, recv_splits, self.group)
+        try:
+            side_out = side(side_x)
+        finally:
+            finish_exchange(work, self.group)
+        return out, side_out
 
     def exchange_to_experts(self, send_ND: torch.Tensor, meta: DispatchMeta) -> list[torch.Tensor]:
         """:meth:`exchange`, handed out as one contiguous ``[tokens_per_expert[l], D]`` tensor
@@ -366,13 +391,16 @@ class MoEDispatcher:
         ``expert_output``: ``[R, D]`` in ``expert_input``'s order, or one tensor per local
         expert (then the regroup and the concatenation are one copy).
         """
+        return self._exchange_back(expert_output, meta, None)[0]
+
+    def _exchange_back(self, expert_output, meta: DispatchMeta, beside) -> tuple[torch.Tensor, object]:
         outs = [expert_output] if isinstance(expert_output, torch.Tensor) else list(expert_output)
         if meta.regroup:
             by_rank = self._ungroup(outs, meta)
             rows_RD = torch.cat([p for row in by_rank for p in row])
         else:
             rows_RD = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return all_to_all(rows_RD, meta.recv_splits, meta.send_splits, self.group)
+        return self._all_to_all_beside(rows_RD, meta.recv_splits, meta.send_splits, beside)
 
     def _ungroup(self, outs: list[torch.Tensor], meta: DispatchMeta) -> list[list[torch.Tensor]]:
         """The experts' output rows as ``[w][l]`` pieces (views, no copy): what local expert
@@ -389,8 +417,8 @@ class MoEDispatcher:
         by_expert = [o.split([counts[w][l] for w in range(W)]) for l, o in enumerate(outs)]
         return [[by_expert[l][w] for l in range(L)] for w in range(W)]
 
-    def _exchange_back_flagged(self, outs: list[torch.Tensor] | None,
-                               meta: DispatchMeta) -> torch.Tensor:
+    def _exchange_back_flagged(self, outs: list[torch.Tensor] | None, meta: DispatchMeta,
+                               beside=None) -> tuple[torch.Tensor, object]:
         """:meth:`exchange_back` with each rank's expert-output check riding along.
 
         Every block sent to a peer ends with one flag row (column 0: 1.0 when this rank could
@@ -399,7 +427,8 @@ class MoEDispatcher:
         has ``B = N + W`` rows. No collective of its own; the flag rows join the rows to send
         in the copy the regroup makes anyway (with one local expert, it is a copy more).
         Raises a RuntimeError naming the ranks whose flag is set (after the exchange: no rank
-        is left waiting in it).
+        is left waiting in it). ``beside``: as :meth:`_all_to_all_beside`'s; returns
+        ``(back_BD, side output or None)``.
         """
         W, D = self.world_size, meta.d_model
         device, dtype = meta.dest_TK.device, meta.row_dtype
@@ -412,8 +441,10 @@ class MoEDispatcher:
             outs = [o.to(dtype) for o in (outs if isinstance(outs, list) else [outs])]
             by_rank = self._ungroup(outs, meta)
             send_BD = torch.cat([piece for w in range(W) for piece in by_rank[w] + [flag_1D]])
-        back_BD = all_to_all(send_BD, [n + 1 for n in meta.recv_splits],
-                             [n + 1 for n in meta.send_splits], self.group)
+        # a failed rank computes no side: it raises once the flags are exchanged
+        back_BD, side_out = self._all_to_all_beside(
+            send_BD, [n + 1 for n in meta.recv_splits], [n + 1 for n in meta.send_splits],
+            beside if outs is not None else None)
         flag_rows = list(itertools.accumulate(n + 1 for n in meta.send_splits))
         flags = back_BD.detach()[[i - 1 for i in flag_rows], 0].tolist()  # one host read
         bad = [w for w, f in enumerate(flags) if f != 0]
@@ -422,7 +453,7 @@ class MoEDispatcher:
                 f"rank(s) {bad} of the expert-parallel group could not produce their expert "
                 f"output (see the error raised there); rank {self.rank} drops the rows they "
                 f"returned")
-        return back_BD
+        return back_BD, side_out
 
     def _unpermute_flagged(self, back_BD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """:meth:`unpermute` of ``back_BD`` (:meth:`_exchange_back_flagged`): the flag rows

@@ -426,12 +426,18 @@ class MoELayer(nn.Module):
         if self.schedule == "alltoall" and not shadowed:
             send_ND = disp.permute(x_TD, meta)
             grouped = isinstance(self.experts, GroupedExperts)
+            # the shared experts run while tokens travel: the first half of the tokens while
+            # they go to the experts, the second half while the experts' rows come back (and,
+            # in backward, each half while the matching exchange carries gradients back)
+            beside = self.shared_experts is not None and disp.world_size > 1
+            if beside:
+                half = x_TD.shape[0] // 2
+                x1_TD, x2_TD = x_TD.split([half, x_TD.shape[0] - half])
+                shared_params = self._shared_parameters()
             try:
-                if self.shared_experts is not None and disp.world_size > 1:
-                    # the shared experts run while the tokens travel (and, in backward, while
-                    # their gradients travel back)
-                    inputs, shared_TD = disp.exchange_to_experts_beside(
-                        send_ND, meta, self._shared_forward, x_TD, self._shared_parameters(),
+                if beside:
+                    inputs, shared1_TD = disp.exchange_to_experts_beside(
+                        send_ND, meta, self._shared_forward, x1_TD, shared_params,
                         as_list=not grouped)
                 else:
                     inputs = (disp.exchange(send_ND, meta) if grouped
@@ -446,7 +452,12 @@ class MoELayer(nn.Module):
                 self._guard.mark("combine")
                 disp.fail_combine(error, meta)
             self._guard.mark("combine")
-            y_TD = disp.combine(outputs, meta)
+            if beside:
+                y_TD, shared2_TD = disp.combine_beside(outputs, meta, self._shared_forward,
+                                                       x2_TD, shared_params)
+                shared_TD = torch.cat([shared1_TD, shared2_TD])
+            else:
+                y_TD = disp.combine(outputs, meta)
         else:  # the pipeline (a single step, every peer at once, for "alltoall" + shadows)
             group_size = self.group_size if self.schedule == "pairwise" else disp.world_size
             back_ND = pipelined_experts(
