@@ -34,7 +34,8 @@ import torch.nn.functional as F_
 from torch import nn
 
 __all__ = ["SwiGLU", "Unavailable", "tribucket_layer", "deepspeed_layer", "torchtitan_layer",
-           "make_weights", "external_worker", "external_table", "external_plot", "SIZES"]
+           "make_weights", "external_worker", "external_table", "external_plot", "SIZES", "FLOOR",
+           "FLOOR_ALL", "SHARED", "EXCHANGE"]
 
 
 class Unavailable(Exception):
@@ -261,6 +262,9 @@ BUILDERS = {"tribucket MoELayer": tribucket_layer, "DeepSpeed MoE": deepspeed_la
             "tribucket MoELayer, no shared expert": tribucket_no_shared}
 #: one process computing what the slowest rank's experts compute, nothing else
 FLOOR = "compute floor"
+#: the same floor computed by every rank at once (each rank the busiest rank's rows): what
+#: the floor costs when the two processes share the machine, as the layer's ranks do
+FLOOR_ALL = "compute floor, every rank at once"
 #: one process running the shared expert alone, forward+backward on a rank's tokens
 SHARED = "shared expert alone"
 #: both ranks exchanging the layer's token rows (the dispatch all-to-all and its reverse, as
@@ -337,7 +341,9 @@ def external_worker(rank: int, world: int, init_file: str, args, queue) -> None:
             f"y and dL/dx equal to tribucket's (max abs diff {err:.1e})")
     counts = {name: count_step(lambda m=m: run(m)) for name, m in systems.items()}
     floor = _compute_floor(systems[ref], weights, s, rank, world)
-    extra = {FLOOR: floor}  # measured beside the systems: FLOOR and SHARED on rank 0 alone
+    # measured beside the systems: FLOOR and SHARED on rank 0 alone, FLOOR_ALL and EXCHANGE
+    # on every rank
+    extra = {FLOOR: floor, FLOOR_ALL: floor} if world > 1 else {FLOOR: floor}
     if weights["shared"] is not None:
         extra[SHARED] = _shared_alone(weights, s)
         extra[EXCHANGE] = _exchange_alone(systems[ref], s, rank, world)
@@ -351,7 +357,7 @@ def external_worker(rank: int, world: int, init_file: str, args, queue) -> None:
             t0, c0 = time.perf_counter(), time.process_time()
             if name in systems:
                 run(systems[name])
-            elif name == EXCHANGE:  # every rank
+            elif name in (EXCHANGE, FLOOR_ALL):  # every rank
                 extra[name]()
             elif rank == 0:  # one process; the other rank waits at the barrier
                 extra[name]()
@@ -366,6 +372,8 @@ def external_worker(rank: int, world: int, init_file: str, args, queue) -> None:
         rows = []
         for name in names:
             what = ("reference" if name == ref else
+                    floor.what.replace("one process", "every rank at once (each the same rows)")
+                    if name == FLOOR_ALL else
                     "another function (no shared expert): what the shared expert costs"
                     if name == "tribucket MoELayer, no shared expert" else
                     extra[name].what if name in extra else "not checked")
@@ -529,7 +537,7 @@ def external_plot(result, path) -> None:
         names = [r["system"].replace(" ", "\n", 1) for r in run["rows"]]
         vals = [r["tokens_per_s"] for r in run["rows"]]
         palette = {"tribucket MoELayer": "#27a", "DeepSpeed MoE": "#999", "torchtitan MoE": "#4a7",
-                   "tribucket MoELayer, no shared expert": "#8bd", FLOOR: "#ddd",
+                   "tribucket MoELayer, no shared expert": "#8bd", FLOOR: "#ddd", FLOOR_ALL: "#ddd",
                    SHARED: "#eee", EXCHANGE: "#eee"}
         ax.bar(range(len(vals)), vals, color=[palette.get(r["system"], "#999") for r in run["rows"]])
         ax.set_xticks(range(len(vals)), names, fontsize=7)
