@@ -115,8 +115,11 @@ def test_evaluate_on_one_rank_inside_gathered_experts(dist_run, cf):
 def _peer_fails(mode, timeout_s=1.5):
     rank = dist.get_rank()
     torch.manual_seed(0)
+    # with a shared expert, a stall in backward is met in an exchange with the shared
+    # expert's backward beside it (the return's reverse)
     layer = MoELayer([nn.Linear(D, D)], 2, D, top_k=1, name="block3.moe",
-                     timeout=datetime.timedelta(seconds=timeout_s))
+                     timeout=datetime.timedelta(seconds=timeout_s),
+                     shared_experts=nn.Linear(D, D) if mode == "backward" else None)
     try:
         for step in range(3):
             x = torch.randn(5, D, requires_grad=True)
