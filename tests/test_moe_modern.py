@@ -42,14 +42,26 @@ def _experts(kind: str, E: int, seed: int) -> list[nn.Module]:
     return [nn.Sequential(nn.Linear(D, F), nn.GELU(), nn.Linear(F, D)) for _ in range(E)]
 
 
-def _dense(x_TD, router, experts, K, *, score="softmax", bias_E=None, shared=(), gate=None):
-    """The layer written out: ``(y_TD, ids_TK, weights_TK)``; the bias picks, scores weigh."""
+def _dense(x_TD, router, experts, K, *, score="softmax", bias_E=None, shared=(), gate=None,
+           groups=None, limited=None, scale=1.0):
+    """The layer written out: ``(y_TD, ids_TK, weights_TK)``; the bias picks, scores weigh;
+    with ``groups``, each token picks inside its ``limited`` best groups (a group's score:
+    the sum of its two best picking scores), token by token."""
     logits_TE = router(x_TD).float()
     scores_TE = logits_TE.softmax(-1) if score == "softmax" else logits_TE.sigmoid()
     pick_TE = scores_TE.detach() + (bias_E if bias_E is not None else 0.0)
+    if groups is not None:
+        n = pick_TE.shape[1] // groups
+        pick_TE = pick_TE.clone()
+        for t in range(pick_TE.shape[0]):
+            row = pick_TE[t].tolist()
+            score_of = [sum(sorted(row[g * n:(g + 1) * n], reverse=True)[:2]) for g in range(groups)]
+            best = sorted(range(groups), key=lambda g: -score_of[g])[:limited]
+            for g in set(range(groups)) - set(best):
+                pick_TE[t, g * n:(g + 1) * n] = float("-inf")
     ids_TK = pick_TE.topk(K, -1).indices
     w_TK = scores_TE.gather(1, ids_TK)
-    w_TK = w_TK / w_TK.sum(-1, keepdim=True) if K > 1 else w_TK
+    w_TK = (w_TK / w_TK.sum(-1, keepdim=True) if K > 1 else w_TK) * scale
     y_TD = torch.zeros_like(x_TD)
     for e, expert in enumerate(experts):
         t_idx, k_idx = torch.nonzero(ids_TK == e, as_tuple=True)
@@ -59,6 +71,22 @@ def _dense(x_TD, router, experts, K, *, score="softmax", bias_E=None, shared=(),
         s_TD = sum(m(x_TD) for m in shared)
         y_TD = y_TD + (s_TD * torch.sigmoid(gate(x_TD)) if gate is not None else s_TD)
     return y_TD, ids_TK, w_TK
+
+
+def _both_ways(layer, router, modules, K, x, g, *, bias_E=None, **dense_kw):
+    """``layer`` (its bias set to ``bias_E``) and the dense reference, each forward and
+    backward of ``(y * g).sum()`` on its own copy of ``x``: ``(y, x)``, ``(y_ref, x_ref,
+    the reference's router, ids_TK, weights_TK)``."""
+    if bias_E is not None:
+        with torch.no_grad():
+            layer.expert_bias.copy_(bias_E)
+    xl, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = layer(xl)
+    (y * g).sum().backward()
+    ref_router = copy.deepcopy(router)
+    y_ref, ids_TK, w_TK = _dense(xr, ref_router, modules, K, bias_E=bias_E, **dense_kw)
+    (y_ref * g).sum().backward()
+    return (y, xl), (y_ref, xr, ref_router, ids_TK, w_TK)
 
 
 def _close(name, got, want, atol=2e-6, rtol=1e-5, rank=0):
@@ -210,15 +238,9 @@ def test_bias_changes_the_selection_but_not_the_weights(score):
     layer = MoELayer(copy.deepcopy(modules), E, D, top_k=K, router=copy.deepcopy(router),
                      score_func=score, bias_update_rate=0.01, aux_loss_coef=0.0)
     bias_E = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 5.0])  # expert 5 always chosen
-    with torch.no_grad():
-        layer.expert_bias.copy_(bias_E)
     x, g = _tokens(4, 0, 10)
-    xl, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y = layer(xl)
-    (y * g).sum().backward()
-    ref_router = copy.deepcopy(router)
-    y_ref, ids_TK, w_TK = _dense(xr, ref_router, modules, K, score=score, bias_E=bias_E)
-    (y_ref * g).sum().backward()
+    (y, xl), (y_ref, xr, ref_router, ids_TK, w_TK) = _both_ways(
+        layer, router, modules, K, x, g, score=score, bias_E=bias_E)
     assert (ids_TK == 5).any(-1).all(), "the reference must pick expert 5 for every token"
     assert layer.stats.tokens_per_expert[5] == 10, layer.stats
     _, ids_nobias, _ = _dense(x, router, modules, K, score=score)
@@ -254,6 +276,42 @@ def test_bias_update_follows_the_sign_rule_and_is_saved():
     assert torch.equal(layer.expert_bias, before)
 
 
+@pytest.mark.parametrize("score,bias", [("sigmoid", True), ("softmax", False)])
+def test_group_limited_routing_and_route_scale_match_the_reference(score, bias):
+    # DeepSeek-V3's routing: 8 experts in 4 groups, each token inside its 2 best groups,
+    # weights scaled by 2.5; against the dense reference (which masks token by token)
+    E, K, G, M, scale = 8, 3, 4, 2, 2.5
+    modules = _experts("swiglu", E, seed=7)
+    torch.manual_seed(7)
+    router = nn.Linear(D, E, bias=False)
+    layer = MoELayer(copy.deepcopy(modules), E, D, top_k=K, router=copy.deepcopy(router),
+                     score_func=score, bias_update_rate=0.01 if bias else None,
+                     num_expert_groups=G, num_limited_groups=M, route_scale=scale,
+                     aux_loss_coef=0.0)
+    bias_E = torch.randn(E) * 0.2 if bias else None
+    x, g = _tokens(7, 0, 40)
+    (y, xl), (y_ref, xr, ref_router, ids_TK, w_TK) = _both_ways(
+        layer, router, modules, K, x, g, score=score, bias_E=bias_E, groups=G, limited=M,
+        scale=scale)
+    groups_per_token = [len(set((ids // (E // G)).tolist())) for ids in ids_TK]
+    assert max(groups_per_token) <= M, groups_per_token
+    _, unlimited, _ = _dense(x, router, modules, K, score=score, bias_E=bias_E)
+    assert not torch.equal(unlimited, ids_TK), "the group limit must have changed some choice"
+    assert torch.allclose(w_TK.sum(-1), torch.full((40,), scale)), "weights sum to route_scale"
+    assert list(layer.stats.tokens_per_expert) == torch.bincount(
+        ids_TK.reshape(-1), minlength=E).tolist(), layer.stats
+    _close("y", y.detach(), y_ref.detach(), atol=1e-5)
+    _close("x.grad", xl.grad, xr.grad, atol=1e-5)
+    _close("router grad", layer.router.weight.grad, ref_router.weight.grad, atol=1e-5)
+    # every group kept: the same routing as without groups
+    every = MoELayer(copy.deepcopy(modules), E, D, top_k=K, router=copy.deepcopy(router),
+                     score_func=score, num_expert_groups=G, num_limited_groups=G)
+    plain = MoELayer(copy.deepcopy(modules), E, D, top_k=K, router=copy.deepcopy(router),
+                     score_func=score)
+    with torch.no_grad():
+        assert torch.equal(every(x), plain(x))
+
+
 def test_new_arguments_are_checked():
     ex = _experts("swiglu", 2, seed=6)
     with pytest.raises(ValueError, match="score_func"):
@@ -266,6 +324,17 @@ def test_new_arguments_are_checked():
         MoELayer(ex, 2, D, shared_experts=[1])
     with pytest.raises(ValueError, match="to_experts"):
         MoELayer(GroupedExperts(2, D, F), 2, D, schedule="pairwise")
+    ex4 = _experts("swiglu", 4, seed=6)
+    with pytest.raises(ValueError, match="num_limited_groups must be a positive int"):
+        MoELayer(ex4, 4, D, num_expert_groups=2)
+    with pytest.raises(ValueError, match="num_expert_groups=3 does not divide num_experts=4"):
+        MoELayer(ex4, 4, D, num_expert_groups=3, num_limited_groups=1)
+    with pytest.raises(ValueError, match="num_limited_groups=3 is more than num_expert_groups=2"):
+        MoELayer(ex4, 4, D, num_expert_groups=2, num_limited_groups=3)
+    with pytest.raises(ValueError, match="top_k=3 experts cannot be chosen from num_limited_"):
+        MoELayer(ex4, 4, D, top_k=3, num_expert_groups=2, num_limited_groups=1)
+    with pytest.raises(ValueError, match="route_scale"):
+        MoELayer(ex4, 4, D, route_scale=0.0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -290,7 +359,9 @@ def _check_parity(case: dict) -> None:
     layer = MoELayer(local, E, D, top_k=K, router=copy.deepcopy(router), expert_grad_scale=1.0,
                      shared_experts=copy.deepcopy(shared) or None, shared_gate=gate is not None,
                      score_func=case.get("score", "softmax"),
-                     bias_update_rate=0.01 if bias_E is not None else None).to(dev)
+                     bias_update_rate=0.01 if bias_E is not None else None,
+                     num_expert_groups=case.get("groups"), num_limited_groups=case.get("limited"),
+                     route_scale=case.get("scale", 1.0)).to(dev)
     if gate is not None:
         layer.shared_gate.load_state_dict(gate.state_dict())
     if bias_E is not None:
@@ -307,7 +378,9 @@ def _check_parity(case: dict) -> None:
                                             copy.deepcopy(gate))
         xr = data[r][0].clone().requires_grad_()
         yr, _, _ = _dense(xr, ref_router, ref_experts, K, score=case.get("score", "softmax"),
-                          bias_E=bias_E, shared=ref_shared, gate=ref_gate)
+                          bias_E=bias_E, shared=ref_shared, gate=ref_gate,
+                          groups=case.get("groups"), limited=case.get("limited"),
+                          scale=case.get("scale", 1.0))
         total = total + (yr * data[r][1]).sum()
         if r == rank:
             x_ref, y_ref, my_router, my_shared, my_gate = xr, yr, ref_router, ref_shared, ref_gate
@@ -365,6 +438,10 @@ PARITY = [
     dict(kind="gelu", grouped=True, L=2, k=2, bias=True, seed=13),
     # sigmoid with a list of SwiGLU experts and one shared expert
     dict(kind="swiglu", L=1, k=2, shared=1, score="sigmoid", seed=14),
+    # DeepSeek-V3's routing with a group per rank: each token's rows go to one rank only,
+    # the weights scaled by 2.5
+    dict(kind="swiglu", grouped=True, L=3, k=2, shared=1, score="sigmoid", bias=True,
+         groups=2, limited=1, scale=2.5, seed=15),
 ]
 
 

@@ -75,6 +75,15 @@ class MoELayer(nn.Module):
     gives the router no gradient (it then learns from ``aux_loss`` only); that is why the
     default normalises only for ``top_k > 1`` (Switch-style: ``y = p · expert(x)``).
 
+    DeepSeek-V3's routing options (docs/moe.md shows them together): ``score_func="sigmoid"``
+    (a sigmoid per expert in place of the softmax); ``bias_update_rate`` (a per-expert bias
+    added to the scores for the top-k choice only, nudged after each optimizer step toward
+    balance); ``num_expert_groups`` / ``num_limited_groups`` (group-limited routing: experts
+    in equal groups of consecutive ids, a group scored by the sum of its two best choice
+    scores, each token choosing its experts inside its ``num_limited_groups`` best groups;
+    with a group per rank or node, a token's rows go to at most that many of them); and
+    ``route_scale`` (the weights multiplied by it after normalisation; 2.5 in DeepSeek-V3).
+
     Capacity (``capacity_factor`` a float): each expert accepts at most ``capacity =
     ceil(capacity_factor · T · k / E)`` token-slots from each rank (``T`` = this rank's
     tokens); later tokens (in token order) are dropped and their term is zero. ``None``:
@@ -184,6 +193,9 @@ class MoELayer(nn.Module):
         shared_gate: bool = False,
         score_func: str = "softmax",
         bias_update_rate: float | None = None,
+        num_expert_groups: int | None = None,
+        num_limited_groups: int | None = None,
+        route_scale: float = 1.0,
     ):
         super().__init__()
         # every check comes before the router broadcast, the first collective
@@ -203,6 +215,12 @@ class MoELayer(nn.Module):
                 or not math.isfinite(bias_update_rate) or bias_update_rate <= 0):
             raise ValueError(f"bias_update_rate must be None (no routing bias) or a positive "
                              f"number (DeepSeek-V3 uses 1e-3), got {bias_update_rate!r}")
+        _check_group_limits(num_expert_groups, num_limited_groups, num_experts, top_k)
+        if (not isinstance(route_scale, (int, float)) or isinstance(route_scale, bool)
+                or not math.isfinite(route_scale) or route_scale <= 0):
+            raise ValueError(f"route_scale must be a positive number (the routed experts' "
+                             f"weights are multiplied by it; DeepSeek-V3 uses 2.5), got "
+                             f"{route_scale!r}")
         rank, world = group_rank_and_size(group)
         check_replica_group(group, replica_group, world)
         if expert_grad_scale is None:  # the mean over the group's ranks (see the docstring)
@@ -298,6 +316,12 @@ class MoELayer(nn.Module):
                                       if isinstance(self.router, nn.Linear) else None)
                             if shared_gate else None)
         self.score_func = score_func
+        #: experts in this many equal groups of consecutive ids, each token choosing among the
+        #: best ``num_limited_groups`` of them (None: no group limit)
+        self.num_expert_groups = num_expert_groups
+        self.num_limited_groups = num_limited_groups
+        #: the routed experts' weights are multiplied by this (after normalisation)
+        self.route_scale = float(route_scale)
         #: step of the aux-loss-free balancing (None: no routing bias)
         self.bias_update_rate = None if bias_update_rate is None else float(bias_update_rate)
         #: [E] fp32 bias added to the scores for the top-k choice only (zeros without balancing)
@@ -376,6 +400,9 @@ class MoELayer(nn.Module):
                 + (f", score_func={self.score_func}" if self.score_func != "softmax" else "")
                 + (f", bias_update_rate={self.bias_update_rate}"
                    if self.bias_update_rate is not None else "")
+                + (f", groups={self.num_limited_groups} of {self.num_expert_groups}"
+                   if self.num_expert_groups is not None else "")
+                + (f", route_scale={self.route_scale}" if self.route_scale != 1.0 else "")
                 + (f", shared={len(self.shared_experts)}{' gated' if self.shared_gate else ''}"
                    if self.shared_experts is not None else ""))
 
@@ -560,8 +587,14 @@ class MoELayer(nn.Module):
             scores_TE = torch.sigmoid(logits_TE)
             # the balance loss wants a distribution per token: the scores, normalised
             probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-        if self.bias_update_rate is not None:
-            _, expert_ids_TK = torch.topk(scores_TE.detach() + self.expert_bias, self.top_k, dim=-1)
+        if self.bias_update_rate is not None or self.num_expert_groups is not None:
+            choice_TE = scores_TE.detach()
+            if self.bias_update_rate is not None:
+                choice_TE = choice_TE + self.expert_bias
+            if self.num_expert_groups is not None:
+                choice_TE = _limit_to_groups(choice_TE, self.num_expert_groups,
+                                             self.num_limited_groups)
+            _, expert_ids_TK = torch.topk(choice_TE, self.top_k, dim=-1)
             weights_TK = scores_TE.gather(1, expert_ids_TK)
         else:
             weights_TK, expert_ids_TK = torch.topk(scores_TE, self.top_k, dim=-1)
@@ -570,6 +603,8 @@ class MoELayer(nn.Module):
             weights_TK = torch.ones_like(weights_TK)
         elif self.normalize_weights:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        if self.route_scale != 1.0:
+            weights_TK = weights_TK * self.route_scale
         return probs_TE, weights_TK, expert_ids_TK
 
     def _shared_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -634,6 +669,42 @@ def _drop_other_ranks_experts(module: MoELayer, state_dict, prefix, *_unused) ->
         index = key[len(head):].split(".", 1)[0]
         if index.isdigit() and index not in mine and int(index) < module.num_experts:
             del state_dict[key]
+
+
+def _check_group_limits(groups, limited, num_experts: int, top_k: int) -> None:
+    """``num_expert_groups`` / ``num_limited_groups``: both None, or ints that fit."""
+    if groups is None and limited is None:
+        return
+    for name, v in (("num_expert_groups", groups), ("num_limited_groups", limited)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int (group-limited routing needs both "
+                             f"num_expert_groups and num_limited_groups), got {v!r}")
+    if num_experts % groups:
+        raise ValueError(f"num_expert_groups={groups} does not divide num_experts={num_experts}: "
+                         f"the groups are equal runs of consecutive expert ids")
+    if limited > groups:
+        raise ValueError(f"num_limited_groups={limited} is more than num_expert_groups={groups}")
+    if top_k > limited * (num_experts // groups):
+        raise ValueError(f"top_k={top_k} experts cannot be chosen from num_limited_groups="
+                         f"{limited} group(s) of {num_experts // groups} experts: raise "
+                         f"num_limited_groups or lower top_k")
+
+
+def _limit_to_groups(choice_TE: torch.Tensor, groups: int, limited: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited choice: experts in ``groups`` runs of consecutive ids, a
+    group's score the sum of its two best choice scores (its one score with one expert per
+    group); each token keeps its ``limited`` best groups and the others' experts get -inf,
+    so the top-k picks inside the kept groups only.
+
+    Example: 4 experts in 2 groups, scores ``[.9, .1, .5, .4]``, 1 group kept: group 0 has
+    1.0, group 1 has 0.9, so ``[.9, .1, -inf, -inf]``.
+    """
+    T, E = choice_TE.shape
+    by_group_TGN = choice_TE.view(T, groups, E // groups)
+    group_TG = by_group_TGN.topk(min(2, E // groups), dim=-1).values.sum(-1)
+    kept_TM = group_TG.topk(limited, dim=-1).indices
+    dropped_TG = torch.ones_like(group_TG, dtype=torch.bool).scatter_(1, kept_TM, False)
+    return by_group_TGN.masked_fill(dropped_TG.unsqueeze(-1), float("-inf")).view(T, E)
 
 
 def _shared_list(shared) -> list[nn.Module]:
