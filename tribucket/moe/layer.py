@@ -83,6 +83,10 @@ class MoELayer(nn.Module):
     scores, each token choosing its experts inside its ``num_limited_groups`` best groups;
     with a group per rank or node, a token's rows go to at most that many of them); and
     ``route_scale`` (the weights multiplied by it after normalisation; 2.5 in DeepSeek-V3).
+    ``shared_experts`` run on every token and add their sum to ``y`` (times
+    ``sigmoid(gate(x))`` with ``shared_gate=True``); with more than one rank and the
+    all-to-all schedule, half the tokens go through them beside each token exchange, so they
+    must be row-wise (no batch statistics).
 
     Capacity (``capacity_factor`` a float): each expert accepts at most ``capacity =
     ceil(capacity_factor · T · k / E)`` token-slots from each rank (``T`` = this rank's
@@ -455,7 +459,8 @@ class MoELayer(nn.Module):
             grouped = isinstance(self.experts, GroupedExperts)
             # the shared experts run while tokens travel: the first half of the tokens while
             # they go to the experts, the second half while the experts' rows come back (and,
-            # in backward, each half while the matching exchange carries gradients back)
+            # in backward, each half while the matching exchange carries gradients back);
+            # so they must be row-wise (docs/moe.md)
             beside = self.shared_experts is not None and disp.world_size > 1
             if beside:
                 half = x_TD.shape[0] // 2
