@@ -1,6 +1,6 @@
 """The MoE layer on a CUDA device, one NCCL rank, against the dense reference of
 ``tests/test_moe_modern.py`` (grouped and listed experts, shared experts, sigmoid scores, the
-routing bias). Run by ``tests/test_cuda_moe.py`` in its own process::
+routing bias, group-limited routing). Run by ``tests/test_cuda_moe.py`` in its own process::
 
     python tests/scripts/cuda_moe.py OUT_DIR
 
@@ -28,6 +28,9 @@ CASES = [
          seed=11),
     dict(kind="gelu", grouped=True, L=4, k=2, bias=True, seed=13),
     dict(kind="sequential", L=3, k=1, shared=2, seed=12),
+    # DeepSeek-V3's group-limited routing and route scale
+    dict(kind="swiglu", grouped=True, L=6, k=2, score="sigmoid", bias=True, groups=3, limited=1,
+         scale=2.5, seed=15),
 ]
 
 
