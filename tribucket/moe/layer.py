@@ -219,7 +219,6 @@ class MoELayer(nn.Module):
                 or not math.isfinite(bias_update_rate) or bias_update_rate <= 0):
             raise ValueError(f"bias_update_rate must be None (no routing bias) or a positive "
                              f"number (DeepSeek-V3 uses 1e-3), got {bias_update_rate!r}")
-        _check_group_limits(num_expert_groups, num_limited_groups, num_experts, top_k)
         if (not isinstance(route_scale, (int, float)) or isinstance(route_scale, bool)
                 or not math.isfinite(route_scale) or route_scale <= 0):
             raise ValueError(f"route_scale must be a positive number (the routed experts' "
@@ -240,6 +239,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"d_model must be a positive int, got {d_model!r}")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k!r} must be an int in 1..num_experts ({num_experts})")
+        _check_group_limits(num_expert_groups, num_limited_groups, num_experts, top_k)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
