@@ -258,3 +258,19 @@ def test_the_trace_shows_each_candidate_and_the_choice(dist_run, tmp_path):
     assert chosen["args"]["median_step_s"] == medians
     assert [tuple(c) for c in chosen["args"]["candidates_bytes"]] == \
         [tuple(c) for c in candidates]
+
+
+def test_default_caps_try_two_buckets_between_the_default_and_one():
+    # the default schedule's bucket caps for models of a few sizes (MiB of gradients): half
+    # the gradients (two buckets) joins 4, 25 and 100 MiB while it is at most 100 MiB
+    MiB = 2**20
+
+    def caps(total_mib):
+        total = int(total_mib * MiB)
+        return [c / MiB for c in autotune._bounded(
+            autotune._caps_bytes(autotune.BUCKET_CAPS_MB, total), total)]
+
+    assert caps(16) == [4, 8, 25]          # 25 MiB: one bucket, the default
+    assert caps(72) == [4, 25, 36, 100]    # 36 MiB: two buckets; 100 MiB: one
+    assert caps(3) == [1.5, 4]
+    assert caps(300) == [4, 25, 100]       # two 150 MiB buckets: not tried

@@ -1,8 +1,10 @@
 """``bucket_cap_mb="auto"`` / ``first_bucket_cap_mb="auto"``: measure a few caps after the
 rebuild and keep the fastest, the same on every rank.
 
-The schedule. The candidates are bucket caps of 1, 4, 25 and 100 MiB (those at or above
-the model's gradient bytes give one bucket: only the smallest of them is kept) and, for the
+The schedule. The candidates are bucket caps of 4, 25 and 100 MiB and half the model's
+gradient bytes when that is at most 100 MiB (two buckets: between the default's few and one;
+caps at or above the model's gradient bytes give one bucket: only the smallest of them is
+kept) and, for the
 first bucket, no separate first cap (the bucket cap) and 1 MiB / 256 KiB (with both options
 "auto", the small first buckets are tried under the default 25 MiB cap only: at most 6
 candidates); the default layout (the caps a run without "auto" would use) comes
@@ -46,7 +48,7 @@ import torch.distributed as dist
 from ..config import AUTO, MiB, ReducerConfig
 
 __all__ = ["AutoTuner", "tuner_for", "WARMUP_STEPS", "MEASURED_STEPS", "VISITS",
-           "BUCKET_CAPS_MB", "FIRST_CAPS_MB"]
+           "BUCKET_CAPS_MB", "FIRST_CAPS_MB", "HALF"]
 
 #: steps run with a new candidate before measuring it (fresh buffers, cold caches)
 WARMUP_STEPS = 1
@@ -55,8 +57,10 @@ MEASURED_STEPS = 2
 #: visits per candidate: in order, then in reverse order (A B C C B A), so that a load that
 #: drifts during the search weighs on every candidate alike
 VISITS = 2
-#: bucket caps tried by ``bucket_cap_mb="auto"``
-BUCKET_CAPS_MB = (1, 4, 25, 100)
+#: bucket caps tried by ``bucket_cap_mb="auto"``: MiB, or HALF (half the gradient bytes,
+#: when that is at most the largest cap given in MiB)
+HALF = "half"
+BUCKET_CAPS_MB = (4, 25, 100, HALF)
 #: first-bucket caps tried by ``first_bucket_cap_mb="auto"`` (``None``: the bucket cap)
 FIRST_CAPS_MB = (None, 1, 0.25)
 #: the default layout is kept unless another is faster by more than this fraction
@@ -74,7 +78,7 @@ class AutoTuner:
         self.default_caps = default_caps            # what a plain run would use (bytes)
         total = sum(p.numel() * p.element_size() for p in policy.params)
         caps = [config.bucket_cap_bytes] if config.bucket_cap_mb != AUTO else \
-            _bounded([int(mb * MiB) for mb in BUCKET_CAPS_MB], total)
+            _bounded(_caps_bytes(BUCKET_CAPS_MB, total), total)
         if config.first_bucket_cap_mb == AUTO:
             firsts = [None if mb is None else int(mb * MiB) for mb in FIRST_CAPS_MB]
         elif config.bucket_cap_mb == AUTO and config.first_bucket_cap_mb is not None:
@@ -261,6 +265,15 @@ def tuner_for(config: ReducerConfig, policy: Any) -> AutoTuner | None:
     default = type(policy)(plain, policy.params, policy.expect_sparse)
     cap = plain.bucket_cap_bytes
     return AutoTuner(config, policy, (cap, min(default.first_cap_bytes(), cap)))
+
+
+def _caps_bytes(caps_mb, total: int) -> list[int]:
+    """``BUCKET_CAPS_MB`` in bytes, ascending; HALF is ``ceil(total / 2)`` when that is at
+    most the largest cap in MiB (else left out: two buckets of a large model overlap little)."""
+    fixed = [int(mb * MiB) for mb in caps_mb if mb != HALF]
+    half = -(-total // 2)
+    extra = [half] if HALF in caps_mb and fixed and half <= max(fixed) else []
+    return sorted(set(fixed + extra))
 
 
 def _bounded(caps: list[int], total: int) -> list[int]:
