@@ -112,3 +112,12 @@ def test_table_says_the_runs_agree_up_to_an_explained_tie():
     assert "DIFFER" not in text and "MISMATCH" not in text
     bad = format_table(_table_result("bug", 2e-3))
     assert "verdict: MISMATCH" in bad and "2.0e-03 from a tie" in bad
+
+
+@pytest.mark.parametrize("ddp_s, says", [(0.25, "expert parallelism is 1.25x faster"),
+                                         (0.16, "expert parallelism is 1.25x slower"),
+                                         (0.2005, "take the same time per step here")])
+def test_table_says_which_run_was_faster_or_that_they_tie(ddp_s, says):
+    result = _table_result("routing", 3e-8)
+    result["ddp"]["median_step_s"] = ddp_s  # tribucket's: 0.2 s
+    assert says in format_table(result)
