@@ -94,9 +94,11 @@ def _router(weights: dict) -> nn.Linear:
 
 def tribucket_layer(weights: dict, *, top_k: int, capacity_factor: float | None,
                     score_func: str = "softmax", balance: float | None = None,
+                    groups: tuple | None = None, route_scale: float = 1.0,
                     shared: bool = True, **kw) -> nn.Module:
     """MoELayer with its grouped experts (the local experts' weights stacked), the shared
-    expert when ``weights`` has one (and ``shared``), the routing bias when ``balance``."""
+    expert when ``weights`` has one (and ``shared``), the routing bias when ``balance``,
+    group-limited routing when ``groups = (expert groups, groups kept)``."""
     from tribucket.moe import GroupedExperts, MoELayer
 
     E, D = weights["router_ED"].shape
@@ -105,7 +107,10 @@ def tribucket_layer(weights: dict, *, top_k: int, capacity_factor: float | None,
     shared_expert = SwiGLU(*weights["shared"]) if shared and weights["shared"] is not None else None
     return MoELayer(experts, E, D, top_k=top_k, router=_router(weights),
                     capacity_factor=capacity_factor, shared_experts=shared_expert,
-                    score_func=score_func, bias_update_rate=balance, **kw)
+                    score_func=score_func, bias_update_rate=balance,
+                    num_expert_groups=groups[0] if groups else None,
+                    num_limited_groups=groups[1] if groups else None, route_scale=route_scale,
+                    **kw)
 
 
 def _swiglu_experts(modules: list[SwiGLU]) -> list[nn.Module]:
@@ -137,7 +142,10 @@ class _DeepSpeedWrap(nn.Module):
 
 
 def deepspeed_layer(weights: dict, *, top_k: int, capacity_factor: float | None,
-                    score_func: str = "softmax", balance: float | None = None) -> nn.Module:
+                    score_func: str = "softmax", balance: float | None = None,
+                    groups: tuple | None = None, route_scale: float = 1.0) -> nn.Module:
+    if groups or route_scale != 1.0:
+        raise Unavailable("DeepSpeed's gate has no group-limited routing or route scale")
     if top_k > 2:
         raise Unavailable(f"DeepSpeed's gate supports top_k 1 or 2, not {top_k}")
     if weights["shared"] is not None:
@@ -170,7 +178,8 @@ def deepspeed_layer(weights: dict, *, top_k: int, capacity_factor: float | None,
 
 
 def torchtitan_layer(weights: dict, *, top_k: int, capacity_factor: float | None,
-                     score_func: str = "softmax", balance: float | None = None) -> nn.Module:
+                     score_func: str = "softmax", balance: float | None = None,
+                     groups: tuple | None = None, route_scale: float = 1.0) -> nn.Module:
     """torchtitan's MoE as its config builds it: router (``score_func``, ``route_norm``),
     all-to-all dispatcher, grouped experts, ``load_balance_coeff=balance`` and, when
     ``weights`` has one, its ``FeedForward`` shared expert."""
@@ -217,7 +226,9 @@ def torchtitan_layer(weights: dict, *, top_k: int, capacity_factor: float | None
             token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=E, top_k=top_k)),
         router=TokenChoiceTopKRouter.Config(
             num_experts=E, gate=Linear.Config(in_features=D, out_features=E), top_k=top_k,
-            score_func=score_func, route_norm=top_k > 1))
+            score_func=score_func, route_norm=top_k > 1, route_scale=route_scale,
+            num_expert_groups=groups[0] if groups else None,
+            num_limited_groups=groups[1] if groups else None))
     moe = cfg.build()  # (expert_bias_E: zeros of [E], registered by the constructor)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
@@ -246,16 +257,18 @@ class _TorchtitanWrap(nn.Module):
 
 # -- the comparison run (perf/bench_moe.py --part external) ------------------------------
 #: the sizes: the demo's layer, a wide one, and a DeepSeek-like one (fine-grained experts,
-#: top-4 of a sigmoid router, the aux-loss-free routing bias, one shared expert); capacity
+#: top-4 of a sigmoid router inside 2 of 4 expert groups, DeepSeek-V3's route scale, the
+#: aux-loss-free routing bias, one shared expert); capacity
 #: factors run besides dropless where the size lists them
 SIZES = {"demo (D 64, F 128, 2 experts/rank, 2048 tokens/rank)":
          dict(D=64, F=128, L=2, T=2048, factors=(None, 1.25)),
          "wide (D 256, F 1024, 4 experts/rank, 4096 tokens/rank)":
          dict(D=256, F=1024, L=4, T=4096, factors=(None, 1.25)),
-         "deepseek (D 256, F 128, 16 experts/rank, top-4 of 32 by sigmoid, routing bias, "
-         "1 shared expert of F 256, 4096 tokens/rank)":
+         "deepseek (D 256, F 128, 16 experts/rank, top-4 of 32 by sigmoid inside 2 of 4 "
+         "expert groups, route scale 2.5, routing bias, 1 shared expert of F 256, "
+         "4096 tokens/rank)":
          dict(D=256, F=128, L=16, T=4096, K=4, score_func="sigmoid", balance=1e-3, shared=256,
-              factors=(None,))}
+              groups=(4, 2), route_scale=2.5, factors=(None,))}
 TOP_K = 2
 BUILDERS = {"tribucket MoELayer": tribucket_layer, "DeepSpeed MoE": deepspeed_layer,
             "torchtitan MoE": torchtitan_layer,
@@ -302,7 +315,8 @@ def external_worker(rank: int, world: int, init_file: str, args, queue) -> None:
         try:
             systems[name] = build(weights, top_k=K, capacity_factor=cf,
                                   score_func=s.get("score_func", "softmax"),
-                                  balance=s.get("balance"))
+                                  balance=s.get("balance"), groups=s.get("groups"),
+                                  route_scale=s.get("route_scale", 1.0))
         except Unavailable as why:
             if name != "tribucket MoELayer, no shared expert":
                 skipped[name] = str(why)
@@ -483,7 +497,8 @@ def external_table(result) -> str:
         f"MoE layer forward+backward against DeepSpeed's and torchtitan's MoE, "
         f"{c['world_size']} gloo ranks x 1 thread ({m['cores']}-core CPU shared with other jobs, "
         f"torch {m['torch']}), top-{c['top_k']} of a softmax router (deepseek: top-4 of a sigmoid "
-        f"router with the routing bias, and a shared expert), SwiGLU experts (tribucket's "
+        f"router inside 2 of 4 expert groups, weights times 2.5, with the routing bias, and a "
+        f"shared expert), SwiGLU experts (tribucket's "
         f"grouped), fp32; same router, expert and shared-expert weights, same tokens. Systems interleaved step by step; step = wall "
         f"time between barriers (the slowest rank), median over the measured steps; CPU = CPU "
         f"seconds of both ranks' processes in the step (steadier than wall time on a loaded "
