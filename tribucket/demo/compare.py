@@ -55,6 +55,7 @@ def _gather(res: RunResult, device: torch.device) -> dict:
         "expert_param_bytes": res.expert_param_bytes,
         "expert_opt_bytes": res.expert_opt_bytes,
         "val_loss": res.val_loss,
+        "native_compiling": res.native_compiling,
     }
 
 

@@ -68,6 +68,11 @@ def format_table(result: dict) -> str:
         elif tb <= ddp:
             lines.append(f"expert parallelism is {ddp / tb:.2f}x faster per step here: DDP "
                          "allreduces and updates every expert on every rank, tribucket only its own")
+        elif result[names[0]].get("native_compiling"):
+            lines.append(f"expert parallelism is {tb / ddp:.2f}x slower per step here, with "
+                         "tribucket's native gradient hooks compiling in the background through "
+                         "its run (the first run on this machine): run the demo again, or "
+                         "`python -m tribucket.build` first, to compare")
         else:
             lines.append(f"expert parallelism is {tb / ddp:.2f}x slower per step here: at this "
                          "size the token exchange (5 all-to-alls per MoE layer) costs more than "

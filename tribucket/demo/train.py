@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import fused_bucketing, hooks
+from ..ddp import native
 from .config import DemoConfig
 from .model import CharData, CharTransformer, build_model
 
@@ -36,6 +37,8 @@ class RunResult:
     state: dict = None             # final parameters (name -> tensor, on CPU)
     routing: list = None           # per step: CharTransformer.routing() (token counts)
     choices: list = None           # per step: CharTransformer.routing_choices() (ids, margins)
+    native_compiling: bool = False  # the native gradient hooks were not built when it began:
+                                    # their background build ran beside this run
 
 
 def _lr_at(cfg: DemoConfig, step: int) -> float:
@@ -91,6 +94,7 @@ def _train(cfg: DemoConfig, impl: str, data: CharData, device: torch.device,
         stack.callback(bar.close)
         reducer = None
         if impl == "tribucket":
+            pending = not native.ready()  # not built yet (the first run on a machine)
             # the per-bucket timeline of this run (rank 0 writes it when the reducer closes;
             # the report moves it into runs/<timestamp>/ with its picture)
             trace = os.path.join(cfg.out_dir, trace_file()) if cfg.out_dir else False
@@ -127,6 +131,9 @@ def _train(cfg: DemoConfig, impl: str, data: CharData, device: torch.device,
             bar.set_postfix(post, refresh=False)
             bar.update()
         if reducer is not None:
+            # the background build ran beside this run: it was wanted, pending, and did not fail
+            res.native_compiling = (pending and reducer.config.native_hooks is not False
+                                    and native.unavailable_reason() is None)
             res.bytes_per_step = reducer.stats.bytes_communicated
         else:  # DDP allreduces every parameter's gradient, in the parameters' dtype
             res.bytes_per_step = sum(p.numel() * p.element_size() for p in model.parameters())
