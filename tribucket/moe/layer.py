@@ -29,15 +29,14 @@ from ._checks import (broadcast_from_first_rank, check_ranks_agree, check_replic
 from ._guard import MoEGuard, _is_comm_failure
 from .dispatcher import DispatchMeta, MoEDispatcher, _route, expert_capacity
 from .experts import GroupedExperts
+from .routing import SCORE_FUNCS, aux_loss, check_group_limits, route
 from .schedule import pipelined_experts
 from .shadow import ShadowCosts, resolve_shadow_policy
 
-__all__ = ["MoELayer", "MoEStats", "SCHEDULES"]
+__all__ = ["MoELayer", "MoEStats", "SCHEDULES", "SCORE_FUNCS"]
 
 #: the token-exchange schedules MoELayer knows: two all-to-alls, or FasterMoE's pipeline
 SCHEDULES = ("alltoall", "pairwise")
-#: how router logits become scores: softmax over experts, or a sigmoid per expert (DeepSeek-V3)
-SCORE_FUNCS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -239,7 +238,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"d_model must be a positive int, got {d_model!r}")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k!r} must be an int in 1..num_experts ({num_experts})")
-        _check_group_limits(num_expert_groups, num_limited_groups, num_experts, top_k)
+        check_group_limits(num_expert_groups, num_limited_groups, num_experts, top_k)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -583,34 +582,14 @@ class MoELayer(nn.Module):
 
     def _gate(self, logits_TE: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(probs_TE, weights_TK, expert_ids_TK)`` from the fp32 logits (see the class
-        docstring): the bias moves the top-k choice only; the weights are the scores."""
-        if self.score_func == "softmax":
-            scores_TE = torch.softmax(logits_TE, dim=-1)
-            probs_TE = scores_TE
-        else:
-            scores_TE = torch.sigmoid(logits_TE)
-            # the balance loss wants a distribution per token: the scores, normalised
-            probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-        if self.bias_update_rate is not None or self.num_expert_groups is not None:
-            choice_TE = scores_TE.detach()
-            if self.bias_update_rate is not None:
-                choice_TE = choice_TE + self.expert_bias
-            if self.num_expert_groups is not None:
-                choice_TE = _limit_to_groups(choice_TE, self.num_expert_groups,
-                                             self.num_limited_groups)
-            _, expert_ids_TK = torch.topk(choice_TE, self.top_k, dim=-1)
-            weights_TK = scores_TE.gather(1, expert_ids_TK)
-        else:
-            weights_TK, expert_ids_TK = torch.topk(scores_TE, self.top_k, dim=-1)
-        if self.normalize_weights and self.top_k == 1:
-            # p / p is 1 up to rounding: use exactly 1, so y gives the router no gradient
-            weights_TK = torch.ones_like(weights_TK)
-        elif self.normalize_weights:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
-        if self.route_scale != 1.0:
-            weights_TK = weights_TK * self.route_scale
-        return probs_TE, weights_TK, expert_ids_TK
+        """``(probs_TE, weights_TK, expert_ids_TK)`` from the fp32 logits
+        (:func:`~tribucket.moe.routing.route`, with this layer's options)."""
+        return route(logits_TE, self.top_k, score_func=self.score_func,
+                     normalize_weights=self.normalize_weights,
+                     bias_E=self.expert_bias if self.bias_update_rate is not None else None,
+                     groups=(None if self.num_expert_groups is None
+                             else (self.num_expert_groups, self.num_limited_groups)),
+                     route_scale=self.route_scale)
 
     def _shared_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The sum of the shared experts' outputs, times ``sigmoid(gate(x))`` when gated."""
@@ -654,16 +633,8 @@ class MoELayer(nn.Module):
 
     def _aux_loss(self, logits_TE: torch.Tensor, probs_TE: torch.Tensor,
                   counts_E: torch.Tensor) -> torch.Tensor:
-        T = logits_TE.shape[0]
-        if T == 0:  # no tokens on this rank: a zero that still reaches the router
-            return logits_TE.sum() * 0.0
-        f_E = counts_E.to(torch.float32) / (T * self.top_k)
-        balance = self.num_experts * torch.dot(f_E, probs_TE.mean(dim=0))
-        loss = self.aux_loss_coef * balance
-        if self.z_loss_coef:
-            z = torch.logsumexp(logits_TE, dim=-1).square().mean()
-            loss = loss + self.z_loss_coef * z
-        return loss
+        return aux_loss(logits_TE, probs_TE, counts_E, self.top_k, self.aux_loss_coef,
+                        self.z_loss_coef)
 
 
 def _drop_other_ranks_experts(module: MoELayer, state_dict, prefix, *_unused) -> None:
@@ -674,42 +645,6 @@ def _drop_other_ranks_experts(module: MoELayer, state_dict, prefix, *_unused) ->
         index = key[len(head):].split(".", 1)[0]
         if index.isdigit() and index not in mine and int(index) < module.num_experts:
             del state_dict[key]
-
-
-def _check_group_limits(groups, limited, num_experts: int, top_k: int) -> None:
-    """``num_expert_groups`` / ``num_limited_groups``: both None, or ints that fit."""
-    if groups is None and limited is None:
-        return
-    for name, v in (("num_expert_groups", groups), ("num_limited_groups", limited)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int (group-limited routing needs both "
-                             f"num_expert_groups and num_limited_groups), got {v!r}")
-    if num_experts % groups:
-        raise ValueError(f"num_expert_groups={groups} does not divide num_experts={num_experts}: "
-                         f"the groups are equal runs of consecutive expert ids")
-    if limited > groups:
-        raise ValueError(f"num_limited_groups={limited} is more than num_expert_groups={groups}")
-    if top_k > limited * (num_experts // groups):
-        raise ValueError(f"top_k={top_k} experts cannot be chosen from num_limited_groups="
-                         f"{limited} group(s) of {num_experts // groups} experts: raise "
-                         f"num_limited_groups or lower top_k")
-
-
-def _limit_to_groups(choice_TE: torch.Tensor, groups: int, limited: int) -> torch.Tensor:
-    """DeepSeek-V3's group-limited choice: experts in ``groups`` runs of consecutive ids, a
-    group's score the sum of its two best choice scores (its one score with one expert per
-    group); each token keeps its ``limited`` best groups and the others' experts get -inf,
-    so the top-k picks inside the kept groups only.
-
-    Example: 4 experts in 2 groups, scores ``[.9, .1, .5, .4]``, 1 group kept: group 0 has
-    1.0, group 1 has 0.9, so ``[.9, .1, -inf, -inf]``.
-    """
-    T, E = choice_TE.shape
-    by_group_TGN = choice_TE.view(T, groups, E // groups)
-    group_TG = by_group_TGN.topk(min(2, E // groups), dim=-1).values.sum(-1)
-    kept_TM = group_TG.topk(limited, dim=-1).indices
-    dropped_TG = torch.ones_like(group_TG, dtype=torch.bool).scatter_(1, kept_TM, False)
-    return by_group_TGN.masked_fill(dropped_TG.unsqueeze(-1), float("-inf")).view(T, E)
 
 
 def _shared_list(shared) -> list[nn.Module]:
