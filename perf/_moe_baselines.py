@@ -125,6 +125,12 @@ def _swiglu_experts(modules: list[SwiGLU]) -> list[nn.Module]:
     return out
 
 
+def tribucket_per_slot(weights: dict, **kw) -> nn.Module:
+    """The same layer sending one row per token-slot (``dedup=False``): what sending each
+    token once per rank saves."""
+    return tribucket_layer(weights, dedup=False, **kw)
+
+
 def tribucket_no_shared(weights: dict, **kw) -> nn.Module:
     """The same layer without its shared expert (what the shared expert costs on top)."""
     if weights["shared"] is None:
@@ -272,6 +278,7 @@ SIZES = {"demo (D 64, F 128, 2 experts/rank, 2048 tokens/rank)":
 TOP_K = 2
 BUILDERS = {"tribucket MoELayer": tribucket_layer, "DeepSpeed MoE": deepspeed_layer,
             "torchtitan MoE": torchtitan_layer,
+            "tribucket MoELayer, one row per token-slot": tribucket_per_slot,
             "tribucket MoELayer, no shared expert": tribucket_no_shared}
 #: one process computing what the slowest rank's experts compute, nothing else
 FLOOR = "compute floor"

@@ -96,7 +96,8 @@ def _check_layer_parity(case: dict) -> None:
 
     layer = MoELayer([copy.deepcopy(experts[e]).to(dtype) for e in range(rank * L, rank * L + L)],
                      E, D, top_k=K, router=copy.deepcopy(router), capacity_factor=cf,
-                     expert_grad_scale=scale, backend=case.get("backend", "auto"))
+                     expert_grad_scale=scale, backend=case.get("backend", "auto"),
+                     dedup=case.get("dedup", "auto"))
     x = data[rank][0].to(dtype).requires_grad_()
     y = layer(x)
     (y.float() * data[rank][1]).sum().backward()
@@ -157,6 +158,10 @@ def _parity_cases(world_size: int) -> list[dict]:
               # the Triton kernels themselves (interpreter on CPU), through the whole layer
               dict(k=2, cf=1.0, L=2, dtype=torch.float32, seed=93, tokens=[5] * world_size,
                    backend="triton")]
+    # each token sent once per rank (dedup): with drops, bf16 rows, a rank without tokens,
+    # and through the Triton kernels
+    cases += [dict(case, dedup=True, seed=case["seed"] + 100) for case in cases
+              if case["seed"] in (14, 16, 18, 52, 90, 93)]
     return cases
 
 
@@ -390,6 +395,10 @@ def _bad_input_worker():
         out[how + " shared"] = _error_of(lambda: bad(torch.randn(6, D, requires_grad=True)))
         with torch.no_grad():
             out[how + " shared no_grad"] = _error_of(lambda: bad(torch.randn(6, D)))
+        # each token sent once per rank (its flag rows and failure path are its own)
+        bad = MoELayer([_BadOnRank(bad_rank=W - 1, how=how)], W, D, top_k=1, dedup=True,
+                       shared_experts=nn.Linear(D, D))
+        out[how + " dedup"] = _error_of(lambda: bad(torch.randn(6, D, requires_grad=True)))
     torch.manual_seed(0)
     out["healthy"] = _in_step(MoELayer([nn.Linear(D, D)], W, D, top_k=1))
     return out
@@ -405,21 +414,25 @@ def _in_step(layer) -> bool:
 
 def _collectives_of_a_step_worker():
     W = dist.get_world_size()
-    torch.manual_seed(0)
-    layer = MoELayer([nn.Linear(D, D), nn.Linear(D, D)], 2 * W, D, top_k=2)
-    x = torch.randn(10, D, requires_grad=True)
-    with _CountCollectives() as c:
-        layer(x).sum().backward()
-    return c.calls
+    calls = []
+    for dedup in (False, True):
+        torch.manual_seed(0)
+        layer = MoELayer([nn.Linear(D, D), nn.Linear(D, D)], 2 * W, D, top_k=2, dedup=dedup)
+        x = torch.randn(10, D, requires_grad=True)
+        with _CountCollectives() as c:
+            layer(x).sum().backward()
+        calls.append(c.calls)
+    return calls
 
 
 @pytest.mark.dist
 def test_a_layer_step_issues_five_all_to_alls_and_nothing_else(dist_run):
     # forward: counts, tokens out, tokens back (each rank's expert-output flag rides on the
     # last one, in a row of its own); backward: the two reverse exchanges. Before, the flag
-    # took an all-reduce of its own (6 collectives).
-    for calls in dist_run(_collectives_of_a_step_worker, world_size=2):
-        assert calls == ["all_to_all_single"] * 5, calls
+    # took an all-reduce of its own (6 collectives). Sending each token once per rank
+    # (dedup) adds none: its weights and places ride in the token rows.
+    for per_slot, dedup in dist_run(_collectives_of_a_step_worker, world_size=2):
+        assert per_slot == dedup == ["all_to_all_single"] * 5, (per_slot, dedup)
 
 
 def _host_reads_of_a_step_worker():
@@ -481,7 +494,7 @@ def test_bad_input_errors_before_collectives(dist_run):
     assert results[0]["ids_range"][0] == "RuntimeError", results[0]["ids_range"]
     assert "rank(s) [1]" in results[0]["ids_range"][1] and "bad input" in results[0]["ids_range"][1]
     # rank 1's expert misbehaves: it raises the real error, rank 0 a RuntimeError naming it
-    for extra in ("", " shared", " shared no_grad"):
+    for extra in ("", " shared", " shared no_grad", " dedup"):
         shape, raised = results[1]["shape" + extra], results[1]["raise" + extra]
         assert shape[0] == "ValueError", shape
         assert "expert 1 (local expert 0 on rank 1) returned (" in shape[1]

@@ -361,7 +361,7 @@ def _check_parity(case: dict) -> None:
                      score_func=case.get("score", "softmax"),
                      bias_update_rate=0.01 if bias_E is not None else None,
                      num_expert_groups=case.get("groups"), num_limited_groups=case.get("limited"),
-                     route_scale=case.get("scale", 1.0)).to(dev)
+                     route_scale=case.get("scale", 1.0), dedup=case.get("dedup", "auto")).to(dev)
     if gate is not None:
         layer.shared_gate.load_state_dict(gate.state_dict())
     if bias_E is not None:
@@ -370,6 +370,8 @@ def _check_parity(case: dict) -> None:
     x = data[rank][0].clone().requires_grad_()
     y = layer(x)
     (y * data[rank][1]).sum().backward()
+    if "deduplicated" in case:
+        assert layer.stats.deduplicated == case["deduplicated"], layer.stats
 
     ref_experts = copy.deepcopy(experts)
     total = 0.0
@@ -449,6 +451,67 @@ PARITY = [
 def test_layer_features_match_dense_reference(dist_run):
     failures = sum(dist_run(_parity_worker, PARITY, world_size=2), [])
     assert not failures, "\n\n".join(failures)
+
+
+# every case above with each token sent once per rank (dedup=True), and "auto" where it
+# pays: with a group per rank each token reaches one rank, so at top-2 the rows halve
+DEDUP_PARITY = [dict(case, dedup=True, deduplicated=True, seed=case["seed"] + 10)
+                for case in PARITY] + [
+    dict(kind="swiglu", grouped=True, L=3, k=2, shared=1, score="sigmoid", groups=2, limited=1,
+         seed=31, deduplicated=True),
+    dict(kind="swiglu", grouped=True, L=3, k=3, score="sigmoid", bias=True, seed=32,
+         dedup=True, deduplicated=True)]
+
+
+@pytest.mark.dist
+def test_deduplicated_dispatch_matches_dense_reference(dist_run):
+    failures = sum(dist_run(_parity_worker, DEDUP_PARITY, world_size=2), [])
+    assert not failures, "\n\n".join(failures)
+
+
+def _dedup_against_per_slot_worker():
+    """The same layer and tokens with and without deduplication (top-3 with drops, top-4,
+    one expert per rank; test_moe checks bf16 rows, empty ranks and the Triton kernels
+    against its dense reference): ``[(case, {dedup: (y, x.grad, grads, stats...)})]``."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    out = []
+    for case in (dict(k=3, L=2, cf=1.0), dict(k=4, L=4), dict(k=2, L=1)):
+        dtype = torch.float32
+        got = {}
+        for dedup in (False, True):
+            torch.manual_seed(5)
+            experts = GroupedExperts(case["L"] * W, D, F, dtype=dtype)
+            local = GroupedExperts(case["L"], D, F, first_index=rank * case["L"], dtype=dtype)
+            with torch.no_grad():
+                for n in ("w1", "w2", "w3"):
+                    getattr(local, n).copy_(getattr(experts, n)[rank * case["L"]:][:case["L"]])
+            torch.manual_seed(6)
+            layer = MoELayer(local, case["L"] * W, D, top_k=case["k"], dedup=dedup,
+                             capacity_factor=case.get("cf"), expert_grad_scale=1.0).to(dtype)
+            x, g = (t.to(dtype) for t in _tokens(7, rank, 11 + 3 * rank))
+            x.requires_grad_()
+            y = layer(x)
+            (y * g).sum().backward()
+            got[dedup] = (y.detach(), x.grad, [p.grad for p in layer.parameters()],
+                          layer.stats.rows_sent, layer.stats.deduplicated, layer.stats.dropped)
+        out.append((case, got))
+    return out
+
+
+@pytest.mark.dist
+def test_deduplicated_dispatch_equals_per_slot_rows(dist_run):
+    for rank, results in enumerate(dist_run(_dedup_against_per_slot_worker, world_size=2)):
+        for case, got in results:
+            (y0, gx0, gp0, rows0, dd0, drop0), (y1, gx1, gp1, rows1, dd1, drop1) = got[False], got[True]
+            tol = dict(atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(y1, y0, **tol, msg=lambda m: f"rank {rank} {case}: y {m}")
+            torch.testing.assert_close(gx1, gx0, **tol, msg=lambda m: f"rank {rank} {case}: x.grad {m}")
+            for a, b in zip(gp1, gp0):
+                torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank} {case}: grad {m}")
+            assert (dd0, dd1) == (False, True) and drop0 == drop1, (case, dd0, dd1, drop0, drop1)
+            # one row per (token, rank): never more than one per slot, fewer when a token
+            # chose several experts of one rank (with one expert per rank and top-2, none)
+            assert rows1 <= rows0 and (rows1 < rows0 or case["L"] == 1), (case, rows0, rows1)
 
 
 def _overlap_order_worker():

@@ -65,6 +65,7 @@ def check_ranks_agree(layer: MoELayer, signature, group: dist.ProcessGroup | Non
               ("bias_update_rate", crc(layer.bias_update_rate)),
               ("num_expert_groups, num_limited_groups, route_scale",
                crc((layer.num_expert_groups, layer.num_limited_groups, layer.route_scale))),
+              ("dedup", crc(layer.dispatcher.dedup)),
               ("experts kind", crc(type(layer.experts).__name__)),
               ("shared experts (names, shapes, dtypes) and gate",
                crc((expert_signature(layer.shared_experts) if layer.shared_experts is not None

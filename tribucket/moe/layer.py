@@ -13,7 +13,7 @@ import copy
 import datetime
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -53,6 +53,12 @@ class MoEStats:
     capacity: int | None
     #: global ids of the experts shadowed in this forward (computed on every rank)
     shadowed: tuple[int, ...] = ()
+    #: token rows this rank sent to the experts' ranks (itself included): one per kept
+    #: token-slot, or one per (token, rank) when the dispatch was deduplicated (how the rows
+    #: travelled, not the routing: left out of ``==``)
+    rows_sent: int = field(default=0, compare=False)
+    #: whether this forward's dispatch sent each token once per rank (``dedup``)
+    deduplicated: bool = field(default=False, compare=False)
 
 
 class MoELayer(nn.Module):
@@ -82,6 +88,14 @@ class MoELayer(nn.Module):
     scores, each token choosing its experts inside its ``num_limited_groups`` best groups;
     with a group per rank or node, a token's rows go to at most that many of them); and
     ``route_scale`` (the weights multiplied by it after normalisation; 2.5 in DeepSeek-V3).
+
+    ``dedup`` (the one-step all-to-all schedule without shadowing): send each token to a
+    rank once, whatever number of that rank's experts it chose, and sum its weighted expert
+    outputs there, so one row per (token, rank) travels each way instead of one per
+    token-slot (as DeepEP does between nodes); ``"auto"`` (default) does so in the steps
+    where that is at most half the rows over the group (top-4 and up on two ranks, or
+    group-limited routing), ``True`` always, ``False`` never. The result is the same up to
+    fp32 summation order; ``stats.rows_sent`` and ``stats.deduplicated`` report the step's.
     ``shared_experts`` run on every token and add their sum to ``y`` (times
     ``sigmoid(gate(x))`` with ``shared_gate=True``); with more than one rank and the
     all-to-all schedule, half the tokens go through them beside each token exchange, so they
@@ -199,6 +213,7 @@ class MoELayer(nn.Module):
         num_expert_groups: int | None = None,
         num_limited_groups: int | None = None,
         route_scale: float = 1.0,
+        dedup: bool | str = "auto",
     ):
         super().__init__()
         # every check comes before the router broadcast, the first collective
@@ -228,7 +243,7 @@ class MoELayer(nn.Module):
         if expert_grad_scale is None:  # the mean over the group's ranks (see the docstring)
             expert_grad_scale = 1.0 / world
         self.dispatcher = MoEDispatcher(num_experts, group=group, capacity_factor=capacity_factor,
-                                        backend=backend)
+                                        backend=backend, dedup=dedup)
         # raised after the agreement across ranks (below), so that a rank with another number
         # of local experts is named on every rank instead of leaving its peers waiting
         count_error = (None if num_experts == world * len(experts) else ValueError(
@@ -288,6 +303,9 @@ class MoELayer(nn.Module):
         self.group_size = group_size
         #: the shadow policy object (None: no shadowing)
         self.shadow_policy = policy
+        # one row per (token, rank) on the wire: the one-step all-to-all only (the pipelined
+        # schedules and shadowing move rows per slot)
+        self._dedup = dedup if schedule == "alltoall" and policy is None else False
         #: elements of one expert's parameters (the size a shadow broadcast moves)
         self.expert_numel = sum(q.numel() for q in experts[0].parameters()) // (
             grouped.num_experts if grouped is not None else 1)
@@ -440,13 +458,14 @@ class MoELayer(nn.Module):
             if self._gathered is not None:
                 raise
             self._guard.mark("counts")
-            disp.fail_plan(error, x.device, gather_counts=gather)
+            disp.fail_plan(error, x.device, gather_counts=gather, dedup=self._dedup)
         probs_TE, weights_TK, expert_ids_TK = self._gate(logits_TE)
         if self._gathered is not None:  # every expert here: no collective
             return self._forward_gathered(x, x_TD, logits_TE, probs_TE, weights_TK, expert_ids_TK)
 
         self._guard.mark("counts")
-        meta = disp.plan(x_TD, expert_ids_TK, weights_TK, gather_counts=gather)
+        meta = disp.plan(x_TD, expert_ids_TK, weights_TK, gather_counts=gather,
+                         dedup=self._dedup)
         shadowed = self._decide_shadows(meta, x_TD.dtype)
         if balance:  # the group's routing, every rank alike (it rode on the counts exchange)
             self._load_E = [a + sum(col) for a, col in
@@ -454,7 +473,7 @@ class MoELayer(nn.Module):
         self._guard.mark("dispatch")
         shared_TD = None
         if self.schedule == "alltoall" and not shadowed:
-            send_ND = disp.permute(x_TD, meta)
+            send_ND = disp.pack(x_TD, meta)
             grouped = isinstance(self.experts, GroupedExperts)
             # the shared experts run while tokens travel: the first half of the tokens while
             # they go to the experts, the second half while the experts' rows come back (and,
@@ -506,7 +525,10 @@ class MoELayer(nn.Module):
         self.stats = MoEStats(tokens_per_expert=meta.counts_host,
                               tokens_received=meta.tokens_per_expert,
                               dropped=meta.num_dropped, capacity=meta.capacity,
-                              shadowed=tuple(sorted(shadowed)))
+                              shadowed=tuple(sorted(shadowed)),
+                              rows_sent=(meta.num_send if meta.unique is None
+                                         else sum(meta.unique.send_splits)),
+                              deduplicated=meta.unique is not None)
         return y_TD.view(*x.shape[:-1], self.d_model)
 
     # -------------------------------------------------------------------------------------
