@@ -125,10 +125,10 @@ def _swiglu_experts(modules: list[SwiGLU]) -> list[nn.Module]:
     return out
 
 
-def tribucket_per_slot(weights: dict, **kw) -> nn.Module:
-    """The same layer sending one row per token-slot (``dedup=False``): what sending each
-    token once per rank saves."""
-    return tribucket_layer(weights, dedup=False, **kw)
+def tribucket_dedup(weights: dict, **kw) -> nn.Module:
+    """The same layer with ``dedup="auto"``: each token sent once per rank in the steps
+    where that at most halves the rows."""
+    return tribucket_layer(weights, dedup="auto", **kw)
 
 
 def tribucket_no_shared(weights: dict, **kw) -> nn.Module:
@@ -278,7 +278,7 @@ SIZES = {"demo (D 64, F 128, 2 experts/rank, 2048 tokens/rank)":
 TOP_K = 2
 BUILDERS = {"tribucket MoELayer": tribucket_layer, "DeepSpeed MoE": deepspeed_layer,
             "torchtitan MoE": torchtitan_layer,
-            "tribucket MoELayer, one row per token-slot": tribucket_per_slot,
+            "tribucket MoELayer, dedup='auto'": tribucket_dedup,
             "tribucket MoELayer, no shared expert": tribucket_no_shared}
 #: one process computing what the slowest rank's experts compute, nothing else
 FLOOR = "compute floor"
@@ -367,7 +367,7 @@ def external_worker(rank: int, world: int, init_file: str, args, queue) -> None:
     extra = {FLOOR: floor, FLOOR_ALL: floor} if world > 1 else {FLOOR: floor}
     if weights["shared"] is not None:
         extra[SHARED] = _shared_alone(weights, s)
-        extra[EXCHANGE] = _exchange_alone(systems[ref], s, rank, world)
+        extra[EXCHANGE] = _exchange_alone(systems[ref], s, rank, world, x)
     names = list(systems) + list(extra)
 
     wall = {name: [] for name in names}
@@ -467,25 +467,34 @@ def _shared_alone(weights: dict, s: dict):
     return step
 
 
-def _exchange_alone(layer, s: dict, rank: int, world: int):
-    """The layer's token all-to-all (the rows of its last forward, the same splits) and the
-    reverse exchange its backward runs, on every rank: the time the shared expert's forward
-    and backward run beside."""
+def _exchange_alone(layer, s: dict, rank: int, world: int, x: torch.Tensor):
+    """The layer's token all-to-all (the rows a forward of ``x`` sends, the same splits and
+    width: one row per token-slot, or per (token, rank) with its extra columns when the
+    dispatch is deduplicated) and the reverse exchange its backward runs, on every rank: the
+    time the shared expert's forward and backward run beside."""
     from tribucket.comm import all_to_all
 
-    L = layer.num_local_experts
-    mine = torch.tensor(layer.stats.tokens_per_expert, dtype=torch.int64).view(world, L).sum(1)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
-    send = mine.tolist()
-    recv = [int(every[w][rank]) for w in range(world)]
-    rows = torch.randn(sum(send), s["D"], generator=torch.Generator().manual_seed(9))
+    disp, metas = layer.dispatcher, []
+    plan = disp.plan
+    disp.plan = lambda *a, **kw: metas.append(plan(*a, **kw)) or metas[-1]
+    try:
+        with torch.no_grad():
+            layer(x)
+    finally:
+        del disp.plan  # the class's method again
+    meta = metas[-1]
+    u = meta.unique
+    send, recv = (list(u.send_splits), list(u.recv_splits)) if u else (
+        list(meta.send_splits), list(meta.recv_splits))
+    width = s["D"] + (u.meta_cols if u else 0)
+    rows = torch.randn(sum(send), width, generator=torch.Generator().manual_seed(9))
 
     def step():
         back = all_to_all(rows, send, recv)
         all_to_all(back, recv, send)
 
-    step.what = (f"rank {rank}'s {sum(send)} token rows to the experts' ranks and back (two "
+    kind = "(token, rank) rows, deduplicated" if u else "token rows"
+    step.what = (f"rank {rank}'s {sum(send)} {kind}, to the experts' ranks and back (two "
                  "all-to-alls, the layer's splits), every rank, nothing else")
     return step
 
@@ -559,8 +568,9 @@ def external_plot(result, path) -> None:
         names = [r["system"].replace(" ", "\n", 1) for r in run["rows"]]
         vals = [r["tokens_per_s"] for r in run["rows"]]
         palette = {"tribucket MoELayer": "#27a", "DeepSpeed MoE": "#999", "torchtitan MoE": "#4a7",
-                   "tribucket MoELayer, no shared expert": "#8bd", FLOOR: "#ddd", FLOOR_ALL: "#ddd",
-                   SHARED: "#eee", EXCHANGE: "#eee"}
+                   "tribucket MoELayer, no shared expert": "#8bd",
+                   "tribucket MoELayer, dedup='auto'": "#59b", FLOOR: "#ddd",
+                   FLOOR_ALL: "#ddd", SHARED: "#eee", EXCHANGE: "#eee"}
         ax.bar(range(len(vals)), vals, color=[palette.get(r["system"], "#999") for r in run["rows"]])
         ax.set_xticks(range(len(vals)), names, fontsize=7)
         cap = "dropless" if run["capacity_factor"] is None else f"capacity {run['capacity_factor']}"

@@ -97,7 +97,7 @@ def _check_layer_parity(case: dict) -> None:
     layer = MoELayer([copy.deepcopy(experts[e]).to(dtype) for e in range(rank * L, rank * L + L)],
                      E, D, top_k=K, router=copy.deepcopy(router), capacity_factor=cf,
                      expert_grad_scale=scale, backend=case.get("backend", "auto"),
-                     dedup=case.get("dedup", "auto"))
+                     dedup=case.get("dedup", False))
     x = data[rank][0].to(dtype).requires_grad_()
     y = layer(x)
     (y.float() * data[rank][1]).sum().backward()

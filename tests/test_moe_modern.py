@@ -361,7 +361,7 @@ def _check_parity(case: dict) -> None:
                      score_func=case.get("score", "softmax"),
                      bias_update_rate=0.01 if bias_E is not None else None,
                      num_expert_groups=case.get("groups"), num_limited_groups=case.get("limited"),
-                     route_scale=case.get("scale", 1.0), dedup=case.get("dedup", "auto")).to(dev)
+                     route_scale=case.get("scale", 1.0), dedup=case.get("dedup", False)).to(dev)
     if gate is not None:
         layer.shared_gate.load_state_dict(gate.state_dict())
     if bias_E is not None:
@@ -458,7 +458,9 @@ def test_layer_features_match_dense_reference(dist_run):
 DEDUP_PARITY = [dict(case, dedup=True, deduplicated=True, seed=case["seed"] + 10)
                 for case in PARITY] + [
     dict(kind="swiglu", grouped=True, L=3, k=2, shared=1, score="sigmoid", groups=2, limited=1,
-         seed=31, deduplicated=True),
+         seed=31, dedup="auto", deduplicated=True),
+    dict(kind="swiglu", grouped=True, L=3, k=2, score="sigmoid", seed=33, dedup="auto",
+         deduplicated=False),
     dict(kind="swiglu", grouped=True, L=3, k=3, score="sigmoid", bias=True, seed=32,
          dedup=True, deduplicated=True)]
 

@@ -92,10 +92,10 @@ class MoELayer(nn.Module):
     ``dedup`` (the one-step all-to-all schedule without shadowing): send each token to a
     rank once, whatever number of that rank's experts it chose, and sum its weighted expert
     outputs there, so one row per (token, rank) travels each way instead of one per
-    token-slot (as DeepEP does between nodes); ``"auto"`` (default) does so in the steps
-    where that is at most half the rows over the group (top-4 and up on two ranks, or
-    group-limited routing), ``True`` always, ``False`` never. The result is the same up to
-    fp32 summation order; ``stats.rows_sent`` and ``stats.deduplicated`` report the step's.
+    token-slot (as DeepEP does); ``True`` always, ``"auto"`` in the steps where that is at
+    most half the rows over the group (top-4 and up on two ranks, or group-limited
+    routing), ``False`` (default) never. The result is the same up to fp32 summation order;
+    ``stats.rows_sent`` and ``stats.deduplicated`` report the step's.
     ``shared_experts`` run on every token and add their sum to ``y`` (times
     ``sigmoid(gate(x))`` with ``shared_gate=True``); with more than one rank and the
     all-to-all schedule, half the tokens go through them beside each token exchange, so they
@@ -213,7 +213,7 @@ class MoELayer(nn.Module):
         num_expert_groups: int | None = None,
         num_limited_groups: int | None = None,
         route_scale: float = 1.0,
-        dedup: bool | str = "auto",
+        dedup: bool | str = False,
     ):
         super().__init__()
         # every check comes before the router broadcast, the first collective
