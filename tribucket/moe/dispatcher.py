@@ -319,8 +319,11 @@ class MoEDispatcher:
         dead = u.slot_U.new_full((1,), T * W)
         pieces = u.slot_U.split(list(u.send_splits))
         slot_B = torch.cat([p for w in range(W) for p in (pieces[w], dead)])
-        return unpermute_tokens(back_BD, dest_TW, None, backend=self.backend, slot_N=slot_B,
-                                dead_rows=True), side_out
+        if _use_triton(self.backend, back_BD):
+            return unpermute_tokens(back_BD, dest_TW, None, backend=self.backend,
+                                    slot_N=slot_B, dead_rows=True), side_out
+        # a token's rows summed (a flag row's token is T: a spare row, cut off)
+        return _SumRows.apply(back_BD, torch.div(slot_B, W, rounding_mode="floor"), T), side_out
 
     def fail_combine(self, error: BaseException, meta: DispatchMeta) -> NoReturn:
         """Re-raise ``error`` (raised while computing this rank's experts) on every rank.
@@ -908,9 +911,31 @@ class _UnpackRows(torch.autograd.Function):
     def backward(ctx, grad_x_VD, grad_w_VK):
         shape, D, weight_cols, dtype = ctx.layout
         device = (grad_x_VD if grad_x_VD is not None else grad_w_VK).device
-        grad = torch.zeros(shape, dtype=dtype, device=device)
-        if grad_x_VD is not None:
-            grad[:, :D] = grad_x_VD
-        if grad_w_VK is not None:
-            grad[:, D:D + weight_cols] = _bits(grad_w_VK.float(), dtype)
+        grad = torch.empty(shape, dtype=dtype, device=device)
+        for cols, g in ((slice(0, D), grad_x_VD), (slice(D, D + weight_cols), grad_w_VK)):
+            if g is None:
+                grad[:, cols] = 0
+            else:
+                grad[:, cols] = g if cols.start == 0 else _bits(g.float(), dtype)
+        grad[:, D + weight_cols:] = 0  # the places: no gradient
         return grad, None, None
+
+
+class _SumRows(torch.autograd.Function):
+    """``y_TD[t] = sum of rows_BD[b] with tok_B[b] == t`` (fp32 accumulation; ``tok_B`` may
+    hold ``T``: a row of no token). Backward: each row gets its token's gradient (zero for
+    the rows of no token, from a padded zero row: no mask pass)."""
+
+    @staticmethod
+    def forward(ctx, rows_BD, tok_B, T: int):
+        src = rows_BD if rows_BD.dtype == torch.float32 else rows_BD.float()
+        y = src.new_zeros((T + 1, rows_BD.shape[1])).index_add_(0, tok_B, src)[:T]
+        ctx.save_for_backward(tok_B)
+        ctx.dtype = rows_BD.dtype
+        return y.to(rows_BD.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y_TD):
+        (tok_B,) = ctx.saved_tensors
+        padded = torch.nn.functional.pad(grad_y_TD, (0, 0, 0, 1))
+        return padded.index_select(0, tok_B).to(ctx.dtype), None, None
