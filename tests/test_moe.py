@@ -510,6 +510,10 @@ def test_bad_arguments_single_process():
         MoELayer(experts, 4, D, top_k=5)
     with pytest.raises(ValueError, match="schedule='ring'"):
         MoELayer(experts, 4, D, schedule="ring")
+    with pytest.raises(ValueError, match="dedup='always' is not one of True, False, 'auto'"):
+        MoELayer(experts, 4, D, dedup="always")
+    with pytest.raises(ValueError, match="dedup=True sends each token once per rank in the one-step"):
+        MoELayer(experts, 4, D, schedule="pairwise", dedup=True)
     with pytest.raises(ValueError, match="capacity_factor"):
         MoELayer(experts, 4, D, capacity_factor=-1.0)
     with pytest.raises(ValueError, match="num_experts=5"):

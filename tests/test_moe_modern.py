@@ -478,19 +478,18 @@ def _dedup_against_per_slot_worker():
     rank, W = dist.get_rank(), dist.get_world_size()
     out = []
     for case in (dict(k=3, L=2, cf=1.0), dict(k=4, L=4), dict(k=2, L=1)):
-        dtype = torch.float32
         got = {}
         for dedup in (False, True):
             torch.manual_seed(5)
-            experts = GroupedExperts(case["L"] * W, D, F, dtype=dtype)
-            local = GroupedExperts(case["L"], D, F, first_index=rank * case["L"], dtype=dtype)
+            experts = GroupedExperts(case["L"] * W, D, F)
+            local = GroupedExperts(case["L"], D, F, first_index=rank * case["L"])
             with torch.no_grad():
                 for n in ("w1", "w2", "w3"):
                     getattr(local, n).copy_(getattr(experts, n)[rank * case["L"]:][:case["L"]])
             torch.manual_seed(6)
             layer = MoELayer(local, case["L"] * W, D, top_k=case["k"], dedup=dedup,
-                             capacity_factor=case.get("cf"), expert_grad_scale=1.0).to(dtype)
-            x, g = (t.to(dtype) for t in _tokens(7, rank, 11 + 3 * rank))
+                             capacity_factor=case.get("cf"), expert_grad_scale=1.0)
+            x, g = _tokens(7, rank, 11 + 3 * rank)
             x.requires_grad_()
             y = layer(x)
             (y * g).sum().backward()

@@ -89,6 +89,11 @@ class MoELayer(nn.Module):
     with a group per rank or node, a token's rows go to at most that many of them); and
     ``route_scale`` (the weights multiplied by it after normalisation; 2.5 in DeepSeek-V3).
 
+    ``shared_experts`` run on every token and add their sum to ``y`` (times
+    ``sigmoid(gate(x))`` with ``shared_gate=True``); with more than one rank and the
+    all-to-all schedule, half the tokens go through them beside each token exchange, so they
+    must be row-wise (no batch statistics).
+
     ``dedup`` (the one-step all-to-all schedule without shadowing): send each token to a
     rank once, whatever number of that rank's experts it chose, and sum its weighted expert
     outputs there, so one row per (token, rank) travels each way instead of one per
@@ -96,10 +101,6 @@ class MoELayer(nn.Module):
     most half the rows over the group (top-4 and up on two ranks, or group-limited
     routing), ``False`` (default) never. The result is the same up to fp32 summation order;
     ``stats.rows_sent`` and ``stats.deduplicated`` report the step's.
-    ``shared_experts`` run on every token and add their sum to ``y`` (times
-    ``sigmoid(gate(x))`` with ``shared_gate=True``); with more than one rank and the
-    all-to-all schedule, half the tokens go through them beside each token exchange, so they
-    must be row-wise (no batch statistics).
 
     Capacity (``capacity_factor`` a float): each expert accepts at most ``capacity =
     ceil(capacity_factor · T · k / E)`` token-slots from each rank (``T`` = this rank's
@@ -260,6 +261,11 @@ class MoELayer(nn.Module):
             raise ValueError(f"group_size must be a positive int (ranks per pairwise exchange "
                              f"group, capped at the world size), got {group_size!r}")
         policy = resolve_shadow_policy(shadow_policy, num_experts)
+        if dedup is not False and (policy is not None or schedule != "alltoall"):
+            raise ValueError(
+                f"dedup={dedup!r} sends each token once per rank in the one-step all-to-all; "
+                f"with schedule={schedule!r} and shadow_policy={shadow_policy!r} rows travel "
+                f"per token-slot: pass dedup=False, or schedule='alltoall' without shadowing")
         if grouped is not None and (policy is not None or schedule != "alltoall"):
             raise ValueError(
                 f"GroupedExperts run with schedule='alltoall' and no shadow_policy (got "
@@ -303,9 +309,8 @@ class MoELayer(nn.Module):
         self.group_size = group_size
         #: the shadow policy object (None: no shadowing)
         self.shadow_policy = policy
-        # one row per (token, rank) on the wire: the one-step all-to-all only (the pipelined
-        # schedules and shadowing move rows per slot)
-        self._dedup = dedup if schedule == "alltoall" and policy is None else False
+        # one row per (token, rank) on the wire (the one-step all-to-all only: checked above)
+        self._dedup = dedup
         #: elements of one expert's parameters (the size a shadow broadcast moves)
         self.expert_numel = sum(q.numel() for q in experts[0].parameters()) // (
             grouped.num_experts if grouped is not None else 1)
