@@ -24,6 +24,11 @@ and ``combine`` runs the same steps backwards (ungroup: one cat of the experts' 
 step is differentiable; the all-to-alls' backward is the reverse exchange, so ``x_TD``,
 ``weights_TK`` and the experts all get gradients.
 
+With ``dedup`` (:class:`UniqueRows`) the exchange moves one row per (token, destination
+rank) instead of one per slot: ``pack`` replaces ``permute``, the receiver copies each row to
+its chosen local experts (in the order above) and ``combine`` sums the weighted outputs of a
+row on the experts' rank before the return exchange.
+
 The token movement in the middle (``exchange`` -> experts -> ``exchange_back``) is the part
 a pipelined schedule (FasterMoE's pairwise exchange) replaces: it needs ``send_ND`` (rank
 ``w``'s rows are the contiguous slice ``send_splits[w]``), ``recv_counts_WL`` (what arrives
@@ -169,7 +174,10 @@ class MoEDispatcher:
     per rank, no collective of its own), so that a rank whose expert output has the wrong
     shape (or whose expert raised, in :class:`MoELayer`) still completes the exchange and
     makes every rank raise, instead of leaving the others blocked in it; set it False only
-    when every expert is known to be shape-preserving, and on every rank alike.
+    when every expert is known to be shape-preserving, and on every rank alike. ``dedup``
+    (every rank alike): ``True`` sends each token once per destination rank, ``"auto"`` in
+    the steps where that at most halves the rows, ``False`` (default) one row per slot
+    (:class:`UniqueRows`; same collectives).
 
     Example (your own router)::
 
