@@ -833,7 +833,7 @@ def _kept_slots(dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def _bits(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t``'s bytes read as ``dtype`` (the last dimension rescaled): how the fp32 weights and
-    int32 ids of :class:`UniqueRows` ride in columns of the rows' dtype, unchanged."""
+    int64 places of :class:`UniqueRows` ride in columns of the rows' dtype, unchanged."""
     t = t.contiguous()
     if (t.storage_offset() * t.element_size()) % dtype.itemsize:  # a column slice of one row
         t = t.clone()
@@ -867,7 +867,7 @@ def _plan_unique(ids_TK: torch.Tensor, dest_TK: torch.Tensor, sent_E: torch.Tens
 
 class _PackRows(torch.autograd.Function):
     """``x_TD`` -> the rows a deduplicated dispatch sends: ``[U, D + meta_cols]``, each
-    (token, rank) row with its gate weights and local expert ids (:class:`UniqueRows`).
+    (token, rank) row with its gate weights and places there (:class:`UniqueRows`).
     Backward: a token's row gradients summed (fp32), and the weights' gradients (computed
     where the experts are, returned in the weight columns) put back in their slots."""
 
@@ -908,7 +908,7 @@ class _PackRows(torch.autograd.Function):
 class _UnpackRows(torch.autograd.Function):
     """Received deduplicated rows -> ``(x_VD, weights_VK)`` (a view of the values and the
     fp32 weights); backward packs both gradients back into the rows' layout for the reverse
-    exchange (zeros in the id columns)."""
+    exchange (zeros in the place columns)."""
 
     @staticmethod
     def forward(ctx, recv_VC, D: int, weight_cols: int):
