@@ -12,8 +12,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all", "exchange_counts", "finish_exchange", "ranks_reporting",
-           "group_rank_and_size", "set_failure_handler", "start_exchange"]
+__all__ = ["all_to_all", "all_to_all_beside", "exchange_counts", "finish_exchange",
+           "ranks_reporting", "group_rank_and_size", "set_failure_handler", "start_exchange"]
 
 # id(group) -> (group, handler(group, error) -> the exception to raise instead, or None);
 # the group is kept so that its id stays its own
@@ -117,6 +117,74 @@ def all_to_all(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequenc
     if world == 1:
         return x
     return _AllToAll.apply(x, send_splits, recv_splits, group)
+
+
+def all_to_all_beside(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                      beside, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, object]:
+    """:func:`all_to_all` of ``x`` and, when ``beside = (side, side_x, side_params)``,
+    ``side(side_x)`` computed while the rows travel, in forward and in backward (an MoE
+    layer's shared experts beside its token exchanges): ``(rows, side output or None)``.
+
+    The side computation must not depend on the exchange; its gradients (to ``side_x`` and
+    ``side_params``) reach autograd as ordinary gradients, computed while the reverse
+    exchange carries the rows' gradients back. The same collectives as :func:`all_to_all`.
+    """
+    if beside is None:
+        return all_to_all(x, send_splits, recv_splits, group), None
+    side, side_x, side_params = beside
+    if group_rank_and_size(group)[1] == 1:  # nothing travels
+        return x, side(side_x)
+    needs = torch.is_grad_enabled() and (
+        x.requires_grad or side_x.requires_grad or any(p.requires_grad for p in side_params))
+    if needs:
+        return _ExchangeBeside.apply((tuple(send_splits), tuple(recv_splits), group),
+                                     side, side_x, x, *side_params)
+    out, work = start_exchange(x, send_splits, recv_splits, group)
+    try:
+        side_out = side(side_x)
+    finally:
+        finish_exchange(work, group)
+    return out, side_out
+
+
+class _ExchangeBeside(torch.autograd.Function):
+    """The token all-to-all with an independent computation between its start and its wait,
+    in forward and in backward (the shared experts, overlapped with the exchange).
+
+    Forward: start the exchange of ``send_ND``; run ``side(side_x)`` with its own graph
+    (``side_x`` detached: its gradient is returned from here); wait. Backward: start the
+    reverse exchange of the rows' gradients; ``autograd.grad`` through the side graph; wait.
+    """
+
+    @staticmethod
+    def forward(ctx, how, side, side_x, send_ND, *params):
+        send_splits, recv_splits, group = how
+        recv_RD, work = start_exchange(send_ND, send_splits, recv_splits, group)
+        try:
+            with torch.enable_grad():
+                x_in = side_x.detach().requires_grad_(side_x.requires_grad)
+                out = side(x_in)
+        finally:  # the exchange completes on every rank, whatever the side computation did
+            finish_exchange(work, group)
+        ctx.how, ctx.x_in, ctx.out, ctx.params = how, x_in, out, params
+        return recv_RD, out.detach()
+
+    @staticmethod
+    def backward(ctx, grad_recv_RD, grad_side):
+        send_splits, recv_splits, group = ctx.how
+        grad_send_ND, work = start_exchange(grad_recv_RD, recv_splits, send_splits, group)
+        try:
+            wanted = [t for t, need in zip((ctx.x_in,) + ctx.params,
+                                           (ctx.needs_input_grad[2],) + ctx.needs_input_grad[4:])
+                      if need]
+            grads = iter(torch.autograd.grad(ctx.out, wanted, grad_side, allow_unused=True)
+                         if wanted and ctx.out.requires_grad else [None] * len(wanted))
+        finally:
+            finish_exchange(work, group)
+        out = [next(grads) if need else None
+               for need in (ctx.needs_input_grad[2],) + ctx.needs_input_grad[4:]]
+        ctx.x_in = ctx.out = None
+        return (None, None, out[0], grad_send_ND if ctx.needs_input_grad[3] else None, *out[1:])
 
 
 def exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

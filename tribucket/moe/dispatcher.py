@@ -27,7 +27,7 @@ step is differentiable; the all-to-alls' backward is the reverse exchange, so ``
 With ``dedup`` (:class:`UniqueRows`) the exchange moves one row per (token, destination
 rank) instead of one per slot: ``pack`` replaces ``permute``, the receiver copies each row to
 its chosen local experts (in the order above) and ``combine`` sums the weighted outputs of a
-row on the experts' rank before the return exchange.
+row on the experts' rank before the return exchange (:mod:`tribucket.moe.dedup`).
 
 The token movement in the middle (``exchange`` -> experts -> ``exchange_back``) is the part
 a pipelined schedule (FasterMoE's pairwise exchange) replaces: it needs ``send_ND`` (rank
@@ -46,10 +46,11 @@ from typing import Callable, NoReturn, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import (all_to_all, exchange_counts, finish_exchange, group_rank_and_size,
-                    start_exchange)
-from ..kernels.moe import (_use_triton, host_ints, moe_counts, moe_unpermute, moe_unpermute_rows,
-                           permute_tokens, unpermute_tokens)
+from ..comm import all_to_all, all_to_all_beside, exchange_counts, group_rank_and_size
+from ..kernels.moe import _use_triton, moe_counts, permute_tokens, unpermute_tokens
+from . import dedup as _dedup
+from ._slots import _kept_slots, _route
+from .dedup import UniqueRows
 
 __all__ = ["DispatchMeta", "MoEDispatcher", "expert_capacity"]
 
@@ -116,7 +117,7 @@ class DispatchMeta:
     row_dtype: torch.dtype = torch.float32
     #: one row per (token, destination rank) on the wire instead of one per token-slot
     #: (None: per token-slot; see :class:`UniqueRows`)
-    unique: "UniqueRows | None" = None
+    unique: UniqueRows | None = None
 
     @property
     def num_send(self) -> int:
@@ -127,38 +128,6 @@ class DispatchMeta:
     def num_recv(self) -> int:
         """R: rows this rank's experts receive."""
         return sum(self.recv_splits)
-
-
-@dataclass(frozen=True)
-class UniqueRows:
-    """A dispatch that sends each token once per destination rank (``dedup``).
-
-    Row ``u`` of the rows this rank sends is token ``slot_U[u] // W`` for rank ``slot_U[u] %
-    W`` (rank-major, token order inside a rank). After its ``D`` values come ``meta_cols``
-    columns: the token's ``K`` gate weights for that rank's experts (fp32 bits, 0 for slots
-    elsewhere), then each slot's place there (int64 bits: ``p * L + l`` for the ``p``-th row
-    this rank sends to local expert ``l``, -1 for slots elsewhere). The receiving rank copies
-    each row once per local expert it chose, into the per-slot dispatch's order (by local
-    expert, then source rank and token), and sums the weighted outputs per row before sending
-    one row back; the sender adds up a token's rows (one per rank).
-    """
-
-    #: [T, W] int64: the sent row of token t for rank w, -1 where t has no expert there
-    dest_TW: torch.Tensor
-    #: [U] int64: ``t * W + w`` of each sent row (the inverse of ``dest_TW``)
-    slot_U: torch.Tensor
-    #: [T, K] int64: the sent row carrying slot (t, k), -1 for a dropped slot
-    row_TK: torch.Tensor
-    #: [U, K] int64: each slot's ``p * L + l`` on the row's rank, -1 for the other ranks'
-    code_UK: torch.Tensor
-    #: rows sent to / received from each rank
-    send_splits: tuple[int, ...]
-    recv_splits: tuple[int, ...]
-    #: columns after D, in the row dtype's units: K fp32 weights, then K int64 places
-    weight_cols: int
-    meta_cols: int
-    #: the receiver's index, filled by the exchange (:meth:`MoEDispatcher._expand`)
-    recv: dict
 
 
 class MoEDispatcher:
@@ -294,8 +263,9 @@ class MoEDispatcher:
         return self._unpermute_flagged(back_BD, meta), side_out
 
     def _combine_unique(self, problem, rows, meta: DispatchMeta, beside):
-        """:meth:`combine` of a deduplicated dispatch: each received row's weighted sum over
-        its local experts goes back as one row; the sender adds a token's rows up."""
+        """:meth:`combine` of a deduplicated dispatch (:mod:`tribucket.moe.dedup`): each
+        received row's weighted sum over its local experts goes back as one row; the sender
+        adds a token's rows up."""
         u, flags = meta.unique, self.check_expert_output
         if problem is not None and not flags:
             raise ValueError(problem)
@@ -303,35 +273,18 @@ class MoEDispatcher:
         if problem is None:
             out_RD = rows if isinstance(rows, torch.Tensor) else (
                 rows[0] if len(rows) == 1 else torch.cat(rows))
-            out_RD, r = out_RD.to(meta.row_dtype), u.recv
-            if flags:  # "tokens" are the rows to return, with each block's flag row (zero)
-                w_BK = r["w_VK"].new_zeros(r["dest_BK"].shape).index_copy(
-                    0, r["into_B"], r["w_VK"])
-                part_BD = unpermute_tokens(out_RD, r["dest_BK"], w_BK, backend=self.backend,
-                                           slot_N=r["slot_RB"])
-            else:
-                part_BD = unpermute_tokens(out_RD, r["dest_VK"], r["w_VK"],
-                                           backend=self.backend, slot_N=r["slot_R"])
-        if not flags:
-            back_UD, side_out = self._all_to_all_beside(part_BD, u.recv_splits, u.send_splits,
-                                                        beside)
-            return unpermute_tokens(back_UD, u.dest_TW, None, backend=self.backend,
-                                    slot_N=u.slot_U), side_out
-        back_BD, side_out = self._send_flagged(part_BD, u.recv_splits, u.send_splits, meta,
-                                               beside)
-        if problem is not None:
-            raise ValueError(problem)
-        W, T = self.world_size, meta.num_tokens
-        dest_TW = torch.where(u.dest_TW >= 0,  # past the flag rows before each rank's block
-                              u.dest_TW + torch.arange(W, device=u.dest_TW.device), -1)
-        dead = u.slot_U.new_full((1,), T * W)
-        pieces = u.slot_U.split(list(u.send_splits))
-        slot_B = torch.cat([p for w in range(W) for p in (pieces[w], dead)])
-        if _use_triton(self.backend, back_BD):
-            return unpermute_tokens(back_BD, dest_TW, None, backend=self.backend,
-                                    slot_N=slot_B, dead_rows=True), side_out
-        # a token's rows summed (a flag row's token is T: a spare row, cut off)
-        return _SumRows.apply(back_BD, torch.div(slot_B, W, rounding_mode="floor"), T), side_out
+            part_BD = _dedup.combine_rows(out_RD.to(meta.row_dtype), u, flags=flags,
+                                          backend=self.backend)
+        if flags:
+            back, side_out = self._send_flagged(part_BD, u.recv_splits, u.send_splits, meta,
+                                                beside)
+            if problem is not None:
+                raise ValueError(problem)
+        else:
+            back, side_out = self._all_to_all_beside(part_BD, u.recv_splits, u.send_splits,
+                                                     beside)
+        return _dedup.sum_returned(back, u, meta.num_tokens, flags=flags,
+                                   backend=self.backend), side_out
 
     def fail_combine(self, error: BaseException, meta: DispatchMeta) -> NoReturn:
         """Re-raise ``error`` (raised while computing this rank's experts) on every rank.
@@ -403,10 +356,7 @@ class MoEDispatcher:
         # column L carries each rank's bad-input flag
         parts = [send_counts_WL, out_of_range.to(sent_E.dtype).expand(W, 1)]
         if wants_dedup:  # which ranks each token reaches: the rows sent to each rank, and K
-            rank_TK = torch.where(dest_TK >= 0, ids_TK // L, W)  # W: a dropped slot
-            hit_TW = torch.zeros(T, W + 1, dtype=torch.bool, device=ids_TK.device)
-            hit_TW = hit_TW.scatter_(1, rank_TK, True)[:, :W]
-            unique_W = hit_TW.sum(0)
+            rank_TK, hit_TW, unique_W = _dedup.count_unique(ids_TK, dest_TK, L, W)
             totals = torch.stack([unique_W.new_tensor(K), unique_W.sum(), sent_E.sum()])
             parts += [unique_W.view(W, 1), totals.view(1, 3).expand(W, 3)]
         if gather_counts:
@@ -432,7 +382,7 @@ class MoEDispatcher:
         unique = None
         if wants_dedup and self._dedup_pays(  # every rank sees every rank's figures: all agree
                 dedup, K, [row[L + 2:L + 5] for row in recv_WC_host]):
-            unique = _plan_unique(ids_TK, dest_TK, sent_E, hit_TW, rank_TK, L,
+            unique = _dedup.plan_unique(ids_TK, dest_TK, sent_E, hit_TW, rank_TK, L,
                                   send_splits=tuple(host[W * L + W * cols + E:]),
                                   recv_splits=tuple(row[L + 1] for row in recv_WC_host),
                                   row_dtype=x_TD.dtype)
@@ -460,7 +410,7 @@ class MoEDispatcher:
         """The rows :meth:`exchange` sends: :meth:`permute`'s, or with ``meta.unique`` each
         token once per destination rank, with its weights and places (:class:`UniqueRows`)."""
         if meta.unique is not None:
-            return _PackRows.apply(x_TD, meta.weights_TK, meta.unique, self.backend)
+            return _dedup.pack_rows(x_TD, meta.weights_TK, meta.unique, self.backend)
         return self.permute(x_TD, meta)
 
     def exchange(self, send_ND: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
@@ -473,38 +423,10 @@ class MoEDispatcher:
         return self._regroup(recv_RD, meta)
 
     def _expand(self, recv_VC: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
-        """The received unique rows (:class:`UniqueRows`) -> ``expert_input_RD``: each row
-        once per local expert it chose, by local expert, then source rank and token (the
-        per-slot dispatch's order). Keeps the index and the weights for :meth:`combine`."""
-        u, W, L = meta.unique, self.world_size, self.num_local_experts
-        K, D, R = meta.top_k, meta.d_model, meta.num_recv
-        V = recv_VC.shape[0]
-        device = recv_VC.device
-        x_VD, w_VK = _UnpackRows.apply(recv_VC, D, u.weight_cols)
-        code_VK = _bits(recv_VC.detach()[:, D + u.weight_cols:], torch.int64)
-        # row p of source w for local expert l goes to start[l][w] + p (local expert, then
-        # source rank, then token order): no sort here
-        counts = meta.recv_counts_host
-        start_LW = list(itertools.accumulate(
-            (counts[w][l] for l in range(L) for w in range(W)), initial=0))[:-1]
-        src_V = torch.arange(W, device=device).repeat_interleave(
-            host_ints(u.recv_splits, device, torch.int64), output_size=V)
-        l_VK = code_VK.remainder(L)
-        dest_VK = torch.where(
-            code_VK >= 0, host_ints(start_LW, device, torch.int64)[l_VK * W + src_V[:, None]]
-            + torch.div(code_VK, L, rounding_mode="floor"), -1)
-        slot_R = _kept_slots(dest_VK, R)
-        recv = {"dest_VK": dest_VK, "slot_R": slot_R, "w_VK": w_VK}
-        if self.check_expert_output:  # the returned rows: each rank's block and a flag row
-            into_B = torch.arange(V, device=device) + src_V  # past the flag rows before it
-            recv["into_B"] = into_B
-            recv["dest_BK"] = dest_VK.new_full((V + W, K), -1).index_copy_(0, into_B, dest_VK)
-            recv["slot_RB"] = slot_R + src_V[torch.div(slot_R, K, rounding_mode="floor")] * K
-        u.recv.clear()
-        u.recv.update(recv)
-        if _use_triton(self.backend, x_VD):
-            x_VD = x_VD.contiguous()
-        return permute_tokens(x_VD, dest_VK, R, backend=self.backend, slot_N=slot_R)
+        """The received unique rows -> ``expert_input_RD`` (:func:`tribucket.moe.dedup.expand`)."""
+        return _dedup.expand(recv_VC, meta.unique, d_model=meta.d_model, top_k=meta.top_k,
+                             recv_counts_host=meta.recv_counts_host,
+                             flags=self.check_expert_output, backend=self.backend)
 
     def _regroup(self, recv_RD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         if not meta.regroup:
@@ -543,25 +465,8 @@ class MoEDispatcher:
 
     def _all_to_all_beside(self, x: torch.Tensor, send_splits: Sequence[int],
                            recv_splits: Sequence[int], beside) -> tuple[torch.Tensor, object]:
-        """``all_to_all(x)`` and, when ``beside = (side, side_x, side_params)``, ``side(side_x)``
-        computed while the rows travel (forward and backward): ``(rows, side output or
-        None)``."""
-        if beside is None:
-            return all_to_all(x, send_splits, recv_splits, self.group), None
-        side, side_x, side_params = beside
-        if self.world_size == 1:  # nothing travels
-            return x, side(side_x)
-        needs = torch.is_grad_enabled() and (
-            x.requires_grad or side_x.requires_grad or any(p.requires_grad for p in side_params))
-        if needs:
-            return _ExchangeBeside.apply((tuple(send_splits), tuple(recv_splits), self.group),
-                                         side, side_x, x, *side_params)
-        out, work = start_exchange(x, send_splits, recv_splits, self.group)
-        try:
-            side_out = side(side_x)
-        finally:
-            finish_exchange(work, self.group)
-        return out, side_out
+        """:func:`tribucket.comm.all_to_all_beside` on this group."""
+        return all_to_all_beside(x, send_splits, recv_splits, beside, self.group)
 
     def exchange_to_experts(self, send_ND: torch.Tensor, meta: DispatchMeta) -> list[torch.Tensor]:
         """:meth:`exchange`, handed out as one contiguous ``[tokens_per_expert[l], D]`` tensor
@@ -729,46 +634,6 @@ class MoEDispatcher:
         return None, outs  # exchange_back concatenates them (with the regroup, in one copy)
 
 
-class _ExchangeBeside(torch.autograd.Function):
-    """The token all-to-all with an independent computation between its start and its wait,
-    in forward and in backward (the shared experts, overlapped with the exchange).
-
-    Forward: start the exchange of ``send_ND``; run ``side(side_x)`` with its own graph
-    (``side_x`` detached: its gradient is returned from here); wait. Backward: start the
-    reverse exchange of the rows' gradients; ``autograd.grad`` through the side graph; wait.
-    """
-
-    @staticmethod
-    def forward(ctx, how, side, side_x, send_ND, *params):
-        send_splits, recv_splits, group = how
-        recv_RD, work = start_exchange(send_ND, send_splits, recv_splits, group)
-        try:
-            with torch.enable_grad():
-                x_in = side_x.detach().requires_grad_(side_x.requires_grad)
-                out = side(x_in)
-        finally:  # the exchange completes on every rank, whatever the side computation did
-            finish_exchange(work, group)
-        ctx.how, ctx.x_in, ctx.out, ctx.params = how, x_in, out, params
-        return recv_RD, out.detach()
-
-    @staticmethod
-    def backward(ctx, grad_recv_RD, grad_side):
-        send_splits, recv_splits, group = ctx.how
-        grad_send_ND, work = start_exchange(grad_recv_RD, recv_splits, send_splits, group)
-        try:
-            wanted = [t for t, need in zip((ctx.x_in,) + ctx.params,
-                                           (ctx.needs_input_grad[2],) + ctx.needs_input_grad[4:])
-                      if need]
-            grads = iter(torch.autograd.grad(ctx.out, wanted, grad_side, allow_unused=True)
-                         if wanted and ctx.out.requires_grad else [None] * len(wanted))
-        finally:
-            finish_exchange(work, group)
-        out = [next(grads) if need else None
-               for need in (ctx.needs_input_grad[2],) + ctx.needs_input_grad[4:]]
-        ctx.x_in = ctx.out = None
-        return (None, None, out[0], grad_send_ND if ctx.needs_input_grad[3] else None, *out[1:])
-
-
 class _Regroup(torch.autograd.Function):
     """Rows by (source rank, local expert) -> one tensor per local expert, sources in order.
 
@@ -792,158 +657,3 @@ class _Regroup(torch.autograd.Function):
         return torch.cat([by_expert[l][w] for w in range(W) for l in range(L)]), None
 
 
-def _route(expert_ids_TK: torch.Tensor, counts_E: torch.Tensor,
-           capacity: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dest_TK, sent_E, order_S)``: each slot's row in expert order, rows kept per
-    expert, and the sort (``order_S[i]``: the slot in sorted position ``i``; dropless, the
-    slot filling row ``i``).
-
-    Slots are ordered by expert, then token (a stable sort of the token-major ids), so with a
-    capacity the slots past ``capacity`` in token order are the ones dropped (dest -1).
-    """
-    T, K = expert_ids_TK.shape
-    ids_S = expert_ids_TK.reshape(-1)
-    order_S = torch.argsort(ids_S, stable=True)
-    pos_S = torch.empty_like(order_S)
-    pos_S[order_S] = torch.arange(ids_S.numel(), device=ids_S.device)
-    if capacity is None:
-        return pos_S.view(T, K), counts_E, order_S
-    start_E = torch.cumsum(counts_E, 0) - counts_E
-    rank_in_expert_S = pos_S - start_E[ids_S]
-    sent_E = counts_E.clamp(max=capacity)
-    sent_start_E = torch.cumsum(sent_E, 0) - sent_E
-    dest_S = torch.where(rank_in_expert_S < capacity, sent_start_E[ids_S] + rank_in_expert_S,
-                         torch.full_like(rank_in_expert_S, -1))
-    return dest_S.view(T, K), sent_E, order_S
-
-
-def _kept_slots(dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``slot_N``: the slot filling each of the ``num_rows`` rows (the inverse of ``dest_TK``).
-
-    A scatter with the dropped slots sent to a spare last entry: no boolean mask, so no
-    data-dependent size (no host sync on a GPU).
-    """
-    dest_S = dest_TK.reshape(-1)
-    S = dest_S.numel()
-    slots = torch.empty(S + 1, dtype=torch.int64, device=dest_S.device)
-    slots.scatter_(0, torch.where(dest_S >= 0, dest_S, S), torch.arange(S, device=dest_S.device))
-    return slots[:num_rows]
-
-
-
-def _bits(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t``'s bytes read as ``dtype`` (the last dimension rescaled): how the fp32 weights and
-    int64 places of :class:`UniqueRows` ride in columns of the rows' dtype, unchanged."""
-    t = t.contiguous()
-    if (t.storage_offset() * t.element_size()) % dtype.itemsize:  # a column slice of one row
-        t = t.clone()
-    return t.view(dtype)
-
-
-def _plan_unique(ids_TK: torch.Tensor, dest_TK: torch.Tensor, sent_E: torch.Tensor,
-                 hit_TW: torch.Tensor, rank_TK: torch.Tensor, L: int, *,
-                 send_splits: tuple[int, ...], recv_splits: tuple[int, ...],
-                 row_dtype: torch.dtype) -> UniqueRows:
-    """The sender's side of a deduplicated dispatch (no host read: the sizes came with the
-    counts). ``hit_TW``: whether token t has a kept slot on rank w; ``rank_TK``: each slot's
-    rank (W for a dropped slot); ``sent_E``: rows kept per expert."""
-    T, K = ids_TK.shape
-    W = hit_TW.shape[1]
-    pos = torch.cumsum(hit_TW.t().reshape(-1), 0) - 1  # rows rank-major, tokens in order
-    dest_TW = torch.where(hit_TW, pos.view(W, T).t(), -1)
-    slot_U = _kept_slots(dest_TW, sum(send_splits))
-    tok_U = torch.div(slot_U, W, rounding_mode="floor")
-    w_U = (slot_U - tok_U * W).unsqueeze(1)
-    row_TK = torch.where(rank_TK < W, dest_TW.gather(1, rank_TK.clamp(max=W - 1)), -1)
-    # each slot's place among the rows sent to its expert (the per-slot dispatch's order)
-    code_TK = (dest_TK - (torch.cumsum(sent_E, 0) - sent_E)[ids_TK]) * L + ids_TK.remainder(L)
-    keep_UK = rank_TK.index_select(0, tok_U) == w_U
-    code_UK = torch.where(keep_UK, code_TK.index_select(0, tok_U), -1)
-    unit = row_dtype.itemsize
-    return UniqueRows(dest_TW=dest_TW, slot_U=slot_U, row_TK=row_TK, code_UK=code_UK,
-                      send_splits=send_splits, recv_splits=recv_splits,
-                      weight_cols=K * 4 // unit, meta_cols=K * 12 // unit, recv={})
-
-
-class _PackRows(torch.autograd.Function):
-    """``x_TD`` -> the rows a deduplicated dispatch sends: ``[U, D + meta_cols]``, each
-    (token, rank) row with its gate weights and places there (:class:`UniqueRows`).
-    Backward: a token's row gradients summed (fp32), and the weights' gradients (computed
-    where the experts are, returned in the weight columns) put back in their slots."""
-
-    @staticmethod
-    def forward(ctx, x_TD, weights_TK, u: UniqueRows, backend: str = "auto"):
-        (T, D), K, W = x_TD.shape, weights_TK.shape[1], u.dest_TW.shape[1]
-        half = u.weight_cols
-        tok_U = torch.div(u.slot_U, W, rounding_mode="floor")
-        out = x_TD.new_empty((u.slot_U.shape[0], D + u.meta_cols))
-        torch.index_select(x_TD, 0, tok_U, out=out[:, :D])
-        w_UK = torch.where(u.code_UK >= 0, weights_TK.detach().index_select(0, tok_U).float(), 0.0)
-        out[:, D:D + half] = _bits(w_UK, x_TD.dtype)
-        out[:, D + half:] = _bits(u.code_UK, x_TD.dtype)
-        ctx.u, ctx.shape, ctx.backend, ctx.w_dtype = u, (T, K, D), backend, weights_TK.dtype
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_UC):
-        u, (T, K, D) = ctx.u, ctx.shape
-        W, half = u.dest_TW.shape[1], u.weight_cols
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            g_UD = grad_UC[:, :D]
-            if _use_triton(ctx.backend, g_UD):
-                grad_x = moe_unpermute(g_UD.contiguous(), u.dest_TW, None, backend=ctx.backend)
-            else:
-                grad_x = moe_unpermute_rows(g_UD, u.slot_U, W, T)
-        if ctx.needs_input_grad[1]:
-            grad_w = grad_UC.new_zeros((T, K), dtype=torch.float32)
-            if u.slot_U.numel():
-                grad_w_UK = _bits(grad_UC[:, D:D + half], torch.float32)
-                k = torch.arange(K, device=grad_UC.device)
-                grad_w = torch.where(u.row_TK >= 0, grad_w_UK[u.row_TK.clamp(min=0), k], 0.0)
-            grad_w = grad_w.to(ctx.w_dtype)
-        return grad_x, grad_w, None, None
-
-
-class _UnpackRows(torch.autograd.Function):
-    """Received deduplicated rows -> ``(x_VD, weights_VK)`` (a view of the values and the
-    fp32 weights); backward packs both gradients back into the rows' layout for the reverse
-    exchange (zeros in the place columns)."""
-
-    @staticmethod
-    def forward(ctx, recv_VC, D: int, weight_cols: int):
-        ctx.layout = (recv_VC.shape, D, weight_cols, recv_VC.dtype)
-        return recv_VC[:, :D], _bits(recv_VC[:, D:D + weight_cols], torch.float32)
-
-    @staticmethod
-    def backward(ctx, grad_x_VD, grad_w_VK):
-        shape, D, weight_cols, dtype = ctx.layout
-        device = (grad_x_VD if grad_x_VD is not None else grad_w_VK).device
-        grad = torch.empty(shape, dtype=dtype, device=device)
-        for cols, g in ((slice(0, D), grad_x_VD), (slice(D, D + weight_cols), grad_w_VK)):
-            if g is None:
-                grad[:, cols] = 0
-            else:
-                grad[:, cols] = g if cols.start == 0 else _bits(g.float(), dtype)
-        grad[:, D + weight_cols:] = 0  # the places: no gradient
-        return grad, None, None
-
-
-class _SumRows(torch.autograd.Function):
-    """``y_TD[t] = sum of rows_BD[b] with tok_B[b] == t`` (fp32 accumulation; ``tok_B`` may
-    hold ``T``: a row of no token). Backward: each row gets its token's gradient (zero for
-    the rows of no token, from a padded zero row: no mask pass)."""
-
-    @staticmethod
-    def forward(ctx, rows_BD, tok_B, T: int):
-        src = rows_BD if rows_BD.dtype == torch.float32 else rows_BD.float()
-        y = src.new_zeros((T + 1, rows_BD.shape[1])).index_add_(0, tok_B, src)[:T]
-        ctx.save_for_backward(tok_B)
-        ctx.dtype = rows_BD.dtype
-        return y.to(rows_BD.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_y_TD):
-        (tok_B,) = ctx.saved_tensors
-        padded = torch.nn.functional.pad(grad_y_TD, (0, 0, 0, 1))
-        return padded.index_select(0, tok_B).to(ctx.dtype), None, None
