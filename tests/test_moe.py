@@ -240,6 +240,20 @@ def _check_dispatch(routing, L, cf, seed):
     y = disp.combine(outs, meta)
     (y * gys[rank]).sum().backward()
 
+    # the same through exchange_by_source: one block per source rank, experts on its pieces
+    x2, w2 = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+    meta2 = disp.plan(x2, all_ids[rank], w2)
+    blocks = disp.exchange_by_source(disp.pack(x2, meta2), meta2)
+    assert [len(b) for b in blocks] == recv, ([len(b) for b in blocks], recv)
+    for source, b in enumerate(blocks):  # that rank's rows by local expert, then token
+        rows = [xs[src][t] for m in mine for (src, t) in m if src == source]
+        assert torch.equal(b.detach(), torch.stack(rows) if rows else torch.empty(0, D)), source
+    local2 = [maps[e].clone().requires_grad_() for e in range(rank * L, rank * L + L)]
+    outs2 = [torch.cat([p @ m for p, m in zip(b.split(list(counts)), local2)])
+             for b, counts in zip(blocks, meta2.recv_counts_host)]
+    y2 = disp.combine(outs2, meta2, by_source=True)
+    (y2 * gys[rank]).sum().backward()
+
     ref_maps = [m.clone().requires_grad_() for m in maps]
     total = 0.0
     for r, ids in enumerate(all_ids):
@@ -256,11 +270,13 @@ def _check_dispatch(routing, L, cf, seed):
             x_ref, w_ref, y_ref = xr, wr, yr
     total.backward()
     tol = dict(atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(y, y_ref, **tol)
-    torch.testing.assert_close(x.grad, x_ref.grad, **tol)
-    torch.testing.assert_close(w.grad, w_ref.grad, **tol)
-    for l, m in enumerate(local):
-        torch.testing.assert_close(m.grad, ref_maps[rank * L + l].grad, **tol)
+    for label, (yy, xx, ww, mm) in (("", (y, x, w, local)), ("by source: ", (y2, x2, w2, local2))):
+        torch.testing.assert_close(yy, y_ref, **tol, msg=lambda m: label + m)
+        torch.testing.assert_close(xx.grad, x_ref.grad, **tol, msg=lambda m: label + m)
+        torch.testing.assert_close(ww.grad, w_ref.grad, **tol, msg=lambda m: label + m)
+        for l, m in enumerate(mm):
+            torch.testing.assert_close(m.grad, ref_maps[rank * L + l].grad, **tol,
+                                       msg=lambda m: label + m)
 
 
 def _dispatch_worker(cases):

@@ -355,7 +355,8 @@ def _check_parity(case: dict) -> None:
     data = [tuple(t.to(dev) for t in _tokens(seed, r, tokens[r])) for r in range(W)]
 
     mine = [copy.deepcopy(experts[e]) for e in range(rank * L, rank * L + L)]
-    local = GroupedExperts.from_experts(mine) if case.get("grouped") else mine
+    local = (GroupedExperts.from_experts(mine, impl=case.get("impl", "auto"))
+             if case.get("grouped") else mine)
     layer = MoELayer(local, E, D, top_k=K, router=copy.deepcopy(router), expert_grad_scale=1.0,
                      shared_experts=copy.deepcopy(shared) or None, shared_gate=gate is not None,
                      score_func=case.get("score", "softmax"),
@@ -367,9 +368,14 @@ def _check_parity(case: dict) -> None:
     if bias_E is not None:
         with torch.no_grad():
             layer.expert_bias.copy_(bias_E)
+    calls = []
+    if case.get("grouped"):  # on the CPU, grouped experts run once per source rank's block
+        layer.experts.register_forward_hook(lambda m, args, out: calls.append(len(args[0])))
     x = data[rank][0].clone().requires_grad_()
     y = layer(x)
     (y * data[rank][1]).sum().backward()
+    if "expert_calls" in case and dev.type == "cpu":
+        assert len(calls) == case["expert_calls"], (calls, case)
     if "deduplicated" in case:
         assert layer.stats.deduplicated == case["deduplicated"], layer.stats
 
@@ -433,11 +439,14 @@ def _parity_worker(cases):
 PARITY = [
     # DeepSeek-like: grouped SwiGLU experts, a gated shared expert, sigmoid scores, a bias
     dict(kind="swiglu", grouped=True, L=3, k=2, shared=1, gate=True, score="sigmoid", bias=True,
-         seed=11),
+         seed=11, expert_calls=2),
+    # the same with the experts one after another: on the regrouped rows, one call
+    dict(kind="swiglu", grouped=True, impl="loop", L=3, k=2, shared=1, gate=True,
+         score="sigmoid", bias=True, seed=16, expert_calls=1),
     # two ungated shared experts beside a list of Sequential GELU experts, softmax, top-1
     dict(kind="sequential", L=2, k=1, shared=2, seed=12),
     # grouped GELU experts with biases, softmax scores moved by a bias, no shared expert
-    dict(kind="gelu", grouped=True, L=2, k=2, bias=True, seed=13),
+    dict(kind="gelu", grouped=True, L=2, k=2, bias=True, seed=13, expert_calls=2),
     # sigmoid with a list of SwiGLU experts and one shared expert
     dict(kind="swiglu", L=1, k=2, shared=1, score="sigmoid", seed=14),
     # DeepSeek-V3's routing with a group per rank: each token's rows go to one rank only,
@@ -455,7 +464,8 @@ def test_layer_features_match_dense_reference(dist_run):
 
 # every case above with each token sent once per rank (dedup=True), and "auto" where it
 # pays: with a group per rank each token reaches one rank, so at top-2 the rows halve
-DEDUP_PARITY = [dict(case, dedup=True, deduplicated=True, seed=case["seed"] + 10)
+DEDUP_PARITY = [dict(case, dedup=True, deduplicated=True, seed=case["seed"] + 10,
+                     **({"expert_calls": 1} if case.get("grouped") else {}))
                 for case in PARITY] + [
     dict(kind="swiglu", grouped=True, L=3, k=2, shared=1, score="sigmoid", groups=2, limited=1,
          seed=31, dedup="auto", deduplicated=True),

@@ -17,7 +17,8 @@ Expert ``e`` lives on rank ``e // L`` as local expert ``e % L``. ``dispatch`` is
                gather by slot_N)
     exchange   send_ND -> all-to-all (uneven) -> rows by (source rank, local expert)
                -> regroup to (local expert, source rank) when L > 1 and W > 1: one cat of
-               the W·L contiguous pieces -> expert_input_RD
+               the W·L contiguous pieces -> expert_input_RD (``exchange_by_source``: no
+               regroup, one block per source rank)
 
 and ``combine`` runs the same steps backwards (ungroup: one cat of the experts' outputs in
 (source rank, local expert) order, reverse all-to-all, weighted unpermute in fp32). Every
@@ -227,37 +228,42 @@ class MoEDispatcher:
         return self.exchange(self.pack(x_TD, meta), meta), meta
 
     def combine(self, expert_output: torch.Tensor | Sequence[torch.Tensor],
-                meta: DispatchMeta) -> torch.Tensor:
+                meta: DispatchMeta, *, by_source: bool = False) -> torch.Tensor:
         """Bring the expert outputs home: ``y_TD[t] = sum_k weights_TK[t, k] · out(t, k)``.
 
         ``expert_output`` is ``[R, D]`` in ``expert_input``'s row order, or a sequence of
         one ``[meta.tokens_per_expert[l], D]`` tensor per local expert (taken in the
-        dispatched rows' dtype). A dropped slot adds nothing; a token with every slot dropped
-        gets a zero row.
+        dispatched rows' dtype); with ``by_source``, one tensor per source rank in
+        :meth:`exchange_by_source`'s blocks. A dropped slot adds nothing; a token with every
+        slot dropped gets a zero row.
         """
-        return self._combine(expert_output, meta, None)[0]
+        return self._combine(expert_output, meta, None, by_source)[0]
 
     def combine_beside(self, expert_output: torch.Tensor | Sequence[torch.Tensor],
                        meta: DispatchMeta, side: Callable[[torch.Tensor], torch.Tensor],
-                       side_x: torch.Tensor, side_params: Sequence[torch.Tensor],
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       side_x: torch.Tensor, side_params: Sequence[torch.Tensor], *,
+                       by_source: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`combine` with ``side(side_x)`` computed while the rows travel home:
         ``(y_TD, side output)``; in backward, the side's gradients are computed while the
         outputs' gradients travel back to the experts. As
         :meth:`exchange_to_experts_beside`'s side, it must not depend on the exchange."""
-        return self._combine(expert_output, meta, (side, side_x, side_params))
+        return self._combine(expert_output, meta, (side, side_x, side_params), by_source)
 
-    def _combine(self, expert_output, meta: DispatchMeta, beside) -> tuple[torch.Tensor, object]:
-        problem, rows = self._check_expert_output(expert_output, meta)
+    def _combine(self, expert_output, meta: DispatchMeta, beside,
+                 by_source: bool = False) -> tuple[torch.Tensor, object]:
+        if by_source:
+            problem, rows = self._check_by_source(expert_output, meta)
+        else:
+            problem, rows = self._check_expert_output(expert_output, meta)
         if meta.unique is not None:
             return self._combine_unique(problem, rows, meta, beside)
         if not self.check_expert_output or self.world_size == 1:
             if problem is not None:
                 raise ValueError(problem)
-            back_ND, side_out = self._exchange_back(rows, meta, beside)
+            back_ND, side_out = self._exchange_back(rows, meta, beside, by_source)
             return self.unpermute(back_ND, meta), side_out
         back_BD, side_out = self._exchange_back_flagged(
-            None if problem is not None else rows, meta, beside)
+            None if problem is not None else rows, meta, beside, by_source)
         if problem is not None:
             raise ValueError(problem)
         return self._unpermute_flagged(back_BD, meta), side_out
@@ -428,6 +434,18 @@ class MoEDispatcher:
                              recv_counts_host=meta.recv_counts_host,
                              flags=self.check_expert_output, backend=self.backend)
 
+    def exchange_by_source(self, send_ND: torch.Tensor, meta: DispatchMeta) -> list[torch.Tensor]:
+        """:meth:`exchange` without the regroup: one block per source rank, as received
+        (rank ``w``'s rows for local expert 0, 1, ...: ``meta.recv_counts_host[w]``). Run the
+        experts on each block and hand the outputs back in the same blocks to
+        ``combine(..., by_source=True)``: no regroup copy, nor its copy back in backward
+        (:class:`MoELayer` does so with grouped GEMMs on the CPU). Not for ``meta.unique``."""
+        if meta.unique is not None:
+            raise ValueError("exchange_by_source does not apply to a deduplicated dispatch "
+                             "(meta.unique): use exchange(), whose rows arrive by local expert")
+        recv_RD = all_to_all(send_ND, meta.send_splits, meta.recv_splits, self.group)
+        return list(recv_RD.split(list(meta.recv_splits)))
+
     def _regroup(self, recv_RD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         if not meta.regroup:
             return recv_RD
@@ -439,9 +457,11 @@ class MoEDispatcher:
             self, send_ND: torch.Tensor, meta: DispatchMeta,
             side: Callable[[torch.Tensor], torch.Tensor], side_x: torch.Tensor,
             side_params: Sequence[torch.Tensor], *, as_list: bool = True,
+            by_source: bool = False,
     ) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]:
-        """:meth:`exchange_to_experts` (``as_list``) or :meth:`exchange`, with ``side(side_x)``
-        computed while the rows travel: ``(expert inputs, side output)``.
+        """:meth:`exchange_to_experts` (``as_list``), :meth:`exchange` or, with
+        ``by_source``, :meth:`exchange_by_source`, with ``side(side_x)`` computed while the
+        rows travel: ``(expert inputs, side output)``.
 
         The side computation (the shared experts) must not depend on the exchange; in
         backward its gradients (to ``side_x`` and ``side_params``, handed to autograd as
@@ -449,6 +469,8 @@ class MoEDispatcher:
         input gradients home. Same collectives as :meth:`exchange`, in the same order.
         """
         if meta.unique is not None:
+            if by_source:
+                raise ValueError("by_source does not apply to a deduplicated dispatch")
             u = meta.unique
             recv_VC, side_out = self._all_to_all_beside(send_ND, u.send_splits, u.recv_splits,
                                                         (side, side_x, side_params))
@@ -457,6 +479,8 @@ class MoEDispatcher:
                     side_out)
         recv_RD, side_out = self._all_to_all_beside(send_ND, meta.send_splits,
                                                     meta.recv_splits, (side, side_x, side_params))
+        if by_source:
+            return list(recv_RD.split(list(meta.recv_splits))), side_out
         if not as_list:
             return self._regroup(recv_RD, meta), side_out
         if not meta.regroup:
@@ -489,9 +513,12 @@ class MoEDispatcher:
         """
         return self._exchange_back(expert_output, meta, None)[0]
 
-    def _exchange_back(self, expert_output, meta: DispatchMeta, beside) -> tuple[torch.Tensor, object]:
+    def _exchange_back(self, expert_output, meta: DispatchMeta, beside,
+                       by_source: bool = False) -> tuple[torch.Tensor, object]:
         outs = [expert_output] if isinstance(expert_output, torch.Tensor) else list(expert_output)
-        if meta.regroup:
+        if by_source:  # already in the return exchange's (source rank, local expert) order
+            rows_RD = outs[0] if len(outs) == 1 else torch.cat(outs)
+        elif meta.regroup:
             by_rank = self._ungroup(outs, meta)
             rows_RD = torch.cat([p for row in by_rank for p in row])
         else:
@@ -514,7 +541,7 @@ class MoEDispatcher:
         return [[by_expert[l][w] for l in range(L)] for w in range(W)]
 
     def _exchange_back_flagged(self, outs: list[torch.Tensor] | None, meta: DispatchMeta,
-                               beside=None) -> tuple[torch.Tensor, object]:
+                               beside=None, by_source: bool = False) -> tuple[torch.Tensor, object]:
         """:meth:`exchange_back` with each rank's expert-output check riding along.
 
         Every block sent to a peer ends with one flag row (column 0: 1.0 when this rank could
@@ -523,7 +550,8 @@ class MoEDispatcher:
         has ``B = N + W`` rows. No collective of its own; the flag rows join the rows to send
         in the copy the regroup makes anyway (with one local expert, it is a copy more).
         Raises a RuntimeError naming the ranks whose flag is set (after the exchange: no rank
-        is left waiting in it). ``beside``: as :meth:`_all_to_all_beside`'s; returns
+        is left waiting in it). ``beside``: as :meth:`_all_to_all_beside`'s; ``by_source``:
+        ``outs`` holds one tensor per source rank (:meth:`exchange_by_source`); returns
         ``(back_BD, side output or None)``.
         """
         send_BD = None
@@ -531,7 +559,7 @@ class MoEDispatcher:
             W, dtype = self.world_size, meta.row_dtype
             flag_1D = torch.zeros(1, meta.d_model, dtype=dtype, device=meta.dest_TK.device)
             outs = [o.to(dtype) for o in (outs if isinstance(outs, list) else [outs])]
-            by_rank = self._ungroup(outs, meta)
+            by_rank = [[o] for o in outs] if by_source else self._ungroup(outs, meta)
             send_BD = torch.cat([piece for w in range(W) for piece in by_rank[w] + [flag_1D]])
         return self._send_flagged(send_BD, meta.recv_splits, meta.send_splits, meta, beside)
 
@@ -610,6 +638,19 @@ class MoEDispatcher:
         lo, hi = torch.stack(torch.aminmax(expert_ids_TK)).tolist()
         return ValueError(f"expert_ids_TK holds expert {lo if lo < 0 else hi}, outside "
                           f"0..{self.num_experts - 1}")
+
+    def _check_by_source(self, expert_output, meta: DispatchMeta):
+        """:meth:`_check_expert_output` of one output per source rank (``by_source``)."""
+        outs, D = list(expert_output), meta.d_model
+        if len(outs) != self.world_size:
+            return (f"expert_output (by_source) has {len(outs)} tensors on rank {self.rank}; "
+                    f"expected one per source rank ({self.world_size})"), None
+        for w, (out, n) in enumerate(zip(outs, meta.recv_splits)):
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != (n, D):
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                return (f"the experts of rank {self.rank} returned {got} for the [{n}, {D}] rows "
+                        f"from rank {w}; experts must map [n, D] -> [n, D]"), None
+        return None, outs
 
     def _check_expert_output(self, expert_output, meta: DispatchMeta):
         """``(problem or None, rows_RD)``: a local check, no communication."""

@@ -121,10 +121,7 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"tokens_per_expert {counts} must have one count per expert "
                              f"({self.num_experts}) adding up to x_RD's {x_RD.shape[0]} rows")
         x_RD = x_RD.to(self.w1.dtype)
-        impl = self.impl
-        if impl == "auto":  # one choice for the three projections (their shapes share D, F)
-            impl = (pick_grouped_impl(x_RD.device, x_RD.dtype, len(x_RD) / self.num_experts)
-                    if grouped_mm_aligned(self.w1) else "loop")
+        impl = self.impl_for(len(x_RD))
         if impl == "loop":
             return self._expert_by_expert(x_RD, counts)
         # the groups' offsets go to the device once per forward, without a host stall (a
@@ -142,6 +139,15 @@ class GroupedExperts(nn.Module):
         if self.b2 is not None:
             y_RD = y_RD + self._per_row(self.b2, counts)
         return y_RD
+
+    def impl_for(self, num_rows: int) -> str:
+        """The ``impl`` a forward of ``num_rows`` rows runs (``"auto"`` resolved: one choice
+        for the three projections, their shapes share D and F)."""
+        if self.impl != "auto":
+            return self.impl
+        if not grouped_mm_aligned(self.w1):
+            return "loop"
+        return pick_grouped_impl(self.w1.device, self.w1.dtype, num_rows / self.num_experts)
 
     def _expert_by_expert(self, x_RD: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``impl="loop"``: each expert's whole MLP on its rows, one expert after the other,

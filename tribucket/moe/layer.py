@@ -489,15 +489,24 @@ class MoELayer(nn.Module):
                 half = x_TD.shape[0] // 2
                 x1_TD, x2_TD = x_TD.split([half, x_TD.shape[0] - half])
                 shared_params = self._shared_parameters()
+            # CPU grouped GEMMs run on each source rank's block as it came (no regroup copy
+            # there and back); a GPU's, or experts one after another, on the regrouped rows
+            by_source = (grouped and meta.regroup and meta.unique is None and not x_TD.is_cuda
+                         and self.experts.impl_for(meta.num_recv) == "grouped_mm")
             try:
                 if beside:
                     inputs, shared1_TD = disp.exchange_to_experts_beside(
                         send_ND, meta, self._shared_forward, x1_TD, shared_params,
-                        as_list=not grouped)
+                        as_list=not grouped, by_source=by_source)
+                elif by_source:
+                    inputs = disp.exchange_by_source(send_ND, meta)
                 else:
                     inputs = (disp.exchange(send_ND, meta) if grouped
                               else disp.exchange_to_experts(send_ND, meta))
-                if grouped:
+                if by_source:
+                    outputs = [self.experts(rows, counts)
+                               for rows, counts in zip(inputs, meta.recv_counts_host)]
+                elif grouped:
                     outputs = self.experts(inputs, meta.tokens_per_expert)
                 else:
                     outputs = [expert(rows) for expert, rows in zip(self.experts.values(), inputs)]
@@ -509,10 +518,10 @@ class MoELayer(nn.Module):
             self._guard.mark("combine")
             if beside:
                 y_TD, shared2_TD = disp.combine_beside(outputs, meta, self._shared_forward,
-                                                       x2_TD, shared_params)
+                                                       x2_TD, shared_params, by_source=by_source)
                 shared_TD = torch.cat([shared1_TD, shared2_TD])
             else:
-                y_TD = disp.combine(outputs, meta)
+                y_TD = disp.combine(outputs, meta, by_source=by_source)
         else:  # the pipeline (a single step, every peer at once, for "alltoall" + shadows)
             group_size = self.group_size if self.schedule == "pairwise" else disp.world_size
             back_ND = pipelined_experts(
