@@ -23,9 +23,18 @@ it, and loading it keeps the resumed reducer's layout and counters the run's). D
 ``.metadata`` last, once every rank has written its part, so a directory without it is a
 checkpoint the crash interrupted and is skipped.
 
-Options: ``--steps``, ``--ckpt-every``, ``--kill-at K`` (rank ``--kill-rank``, default 1),
-``--final FILE`` (rank 0 writes the final parameters), ``--events FILE`` (one JSON line per
-event and rank, for tests/test_elastic.py and perf/bench_ft.py).
+With ``--async-save`` each checkpoint is written in the background
+(``torch.distributed.checkpoint.async_save``): the step waits only while the state is copied
+aside, then trains on while a thread writes it, coordinating the ranks over a gloo group of
+its own (the training collectives keep the default group to themselves). The next checkpoint
+first waits for the last write to finish, and so does the end of the run. A crash during a
+write leaves that directory without ``.metadata``: the restart resumes from the one before,
+so it may lose up to twice ``--ckpt-every`` steps instead of once.
+
+Options: ``--steps``, ``--ckpt-every``, ``--async-save``, ``--kill-at K`` (rank
+``--kill-rank``, default 1), ``--final FILE`` (rank 0 writes the final parameters),
+``--events FILE`` (one JSON line per event and rank, for tests/test_elastic.py and
+perf/bench_ft.py).
 """
 
 from __future__ import annotations
@@ -73,6 +82,7 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", required=True)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--async-save", action="store_true")
     ap.add_argument("--kill-at", type=int, default=-1)
     ap.add_argument("--kill-rank", type=int, default=1)
     ap.add_argument("--final", default="")
@@ -89,6 +99,9 @@ def main() -> None:
                            "in its environment, so that each attempt gets a fresh store")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    # background writes coordinate over a group of their own (every rank creates it)
+    ckpt_group = dist.new_group(backend="gloo") if args.async_save else None
+    writing = None  # the background write in flight
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     log = open(args.events, "a", buffering=1) if args.events else None
 
@@ -135,9 +148,18 @@ def main() -> None:
             if (step + 1) % args.ckpt_every == 0:
                 t0 = time.perf_counter()
                 model_sd, opt_sd = get_state_dict(model, opt)
-                dcp.save({"model": model_sd, "opt": opt_sd, "reducer": reducer.state_dict()},
-                         checkpoint_id=os.path.join(args.ckpt_dir, f"step_{step + 1}"))
+                state = {"model": model_sd, "opt": opt_sd, "reducer": reducer.state_dict()}
+                path = os.path.join(args.ckpt_dir, f"step_{step + 1}")
+                if args.async_save:
+                    if writing is not None:
+                        writing.result()  # one write at a time
+                    # returns once the state is copied aside; a thread writes it
+                    writing = dcp.async_save(state, checkpoint_id=path, process_group=ckpt_group)
+                else:
+                    dcp.save(state, checkpoint_id=path)
                 emit(event="checkpoint", step=step + 1, seconds=time.perf_counter() - t0)
+        if writing is not None:
+            writing.result()  # the last checkpoint is complete before the run ends
 
     if args.final and rank == 0:
         torch.save([p.detach().clone() for p in model.parameters()], args.final)

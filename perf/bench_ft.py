@@ -36,6 +36,7 @@ groups of one process each (gloo, one intra-op thread), one Lighthouse, in one r
                                                # ((b) kept from the results file)
     python perf/bench_ft.py --failure          # (a) and (b)
     python perf/bench_ft.py --failure-only     # (b); (a) kept from perf/results/ft.json
+    python perf/bench_ft.py --elastic-only     # the torchrun recipe alone (in-step and background checkpoints)
     python perf/bench_ft.py --model transformer --rounds 20
 """
 
@@ -234,8 +235,10 @@ def failure_times(impl: str, heartbeat_ms: int) -> dict:
             "recovered_equal_bit_for_bit": equal}
 
 
-def elastic_times(steps: int, every: int, kill_at: int) -> dict:
-    """The torchrun --max-restarts + checkpoint recipe: kill rank 1 at ``kill_at``."""
+def elastic_times(steps: int, every: int, kill_at: int, async_save: bool = False) -> dict:
+    """The torchrun --max-restarts + checkpoint recipe: kill rank 1 at ``kill_at``; with
+    ``async_save``, each checkpoint written in the background (the step waits only while the
+    state is copied aside)."""
     import shutil
     import signal
     import subprocess
@@ -251,7 +254,8 @@ def elastic_times(steps: int, every: int, kill_at: int) -> dict:
             proc = subprocess.Popen(
                 [torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
                  str(script), "--ckpt-dir", os.path.join(tmp, "ckpt"), "--steps", str(steps),
-                 "--ckpt-every", str(every), "--kill-at", str(kill_at), "--events", events],
+                 "--ckpt-every", str(every), "--kill-at", str(kill_at), "--events", events]
+                + (["--async-save"] if async_save else []),
                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 rc = proc.wait(600)
@@ -273,7 +277,9 @@ def elastic_times(steps: int, every: int, kill_at: int) -> dict:
     first = min(r["t"] for r in second if r["event"] == "step")
     back = max(r["t"] for r in second if r["event"] == "step" and r["step"] == kill["step"] - 1)
     ckpt = [r["seconds"] for r in recs if r["event"] == "checkpoint" and r["rank"] == 0]
-    return {"impl": "torchrun --max-restarts + checkpoint", "ckpt_every": every,
+    return {"impl": "torchrun --max-restarts + checkpoint" + (
+                " written in the background (`--async-save`)" if async_save else ""),
+            "ckpt_every": every,
             "kill_at": kill["step"], "resumed_from": resumed,
             "steps_lost": kill["step"] - resumed,
             "kill_to_restart_s": start - kill["t"],
@@ -345,12 +351,19 @@ def markdown(res: dict) -> str:
                   f"restart and resume from step {e['resumed_from']}:", "",
                   "| variant | kill -> ranks restarted (imports, process group) | "
                   "kill -> first step after resume | "
-                  "kill -> back at the step of the kill | steps lost | one checkpoint |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: |",
-                  f"| {e['impl']} | {e['kill_to_restart_s']:.2f} s | "
-                  f"{e['kill_to_first_step_s']:.2f} s | "
-                  f"{e['kill_to_back_at_kill_step_s']:.2f} s | {e['steps_lost']} | "
-                  f"{e['checkpoint_s_median'] * 1e3:.0f} ms |"]
+                  "kill -> back at the step of the kill | steps lost | "
+                  "one checkpoint (the step waits, median) |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for e in [e] + ([res["elastic_async"]] if res.get("elastic_async") else []):
+            lines.append(f"| {e['impl']} | {e['kill_to_restart_s']:.2f} s | "
+                         f"{e['kill_to_first_step_s']:.2f} s | "
+                         f"{e['kill_to_back_at_kill_step_s']:.2f} s | {e['steps_lost']} | "
+                         f"{e['checkpoint_s_median'] * 1e3:.0f} ms |")
+        if res.get("elastic_meta"):
+            em = res["elastic_meta"]
+            lines += ["", f"(These two rows: 1-min load {em['loadavg_1min']:.2f} before, "
+                      f"{em['loadavg_1min_after']:.2f} after; {em['checkpoints']} checkpoints "
+                      "of each.)"]
     return "\n".join(lines) + "\n"
 
 
@@ -384,6 +397,9 @@ def main() -> None:
     ap.add_argument("--failure", action="store_true", help="also measure (b)")
     ap.add_argument("--failure-only", action="store_true",
                     help="measure (b) only; keep (a) from the results file in --out")
+    ap.add_argument("--elastic-only", action="store_true",
+                    help="measure the torchrun recipe only (checkpoints in the step and in "
+                         "the background); keep the rest from the results file in --out")
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--kill-at", type=int, default=25)
     ap.add_argument("--heartbeat-ms", type=int, default=5000)
@@ -395,6 +411,15 @@ def main() -> None:
 
     from _results import save
 
+    if args.elastic_only:  # everything else as measured before
+        res = json.loads((pathlib.Path(args.out) / "ft.json").read_text())
+        load = os.getloadavg()[0]
+        res["elastic"], res["elastic_async"] = (
+            elastic_times(args.kill_at + 15, args.ckpt_every, args.kill_at, async_save=a)
+            for a in (False, True))
+        res["elastic_meta"] = {"loadavg_1min": load, "loadavg_1min_after": os.getloadavg()[0],
+                               "checkpoints": res["elastic"]["checkpoints"]}
+        return save(args.out, "ft", res, markdown, plot)
     if args.failure_only:  # (a) as measured before
         old = json.loads((pathlib.Path(args.out) / "ft.json").read_text())
         res = {"step_time": old["step_time"], "meta": old["meta"]}
@@ -408,12 +433,17 @@ def main() -> None:
     old_file = pathlib.Path(args.out) / "ft.json"
     if not (args.failure or args.failure_only) and old_file.exists():  # (b) as measured before
         old = json.loads(old_file.read_text())
-        res.update({k: old[k] for k in ("failure", "elastic", "failure_meta") if k in old})
+        res.update({k: old[k] for k in ("failure", "elastic", "elastic_async", "elastic_meta",
+                                         "failure_meta") if k in old})
     if args.failure or args.failure_only:
         load = os.getloadavg()[0]
         res["failure"] = [failure_times(impl, args.heartbeat_ms)
                           for impl in ("tribucket", "torchft")]
-        res["elastic"] = elastic_times(args.kill_at + 15, args.ckpt_every, args.kill_at)
+        res["elastic"], res["elastic_async"] = (
+            elastic_times(args.kill_at + 15, args.ckpt_every, args.kill_at, async_save=a)
+            for a in (False, True))
+        res["elastic_meta"] = {"loadavg_1min": load, "loadavg_1min_after": os.getloadavg()[0],
+                               "checkpoints": res["elastic"]["checkpoints"]}
         res["failure_meta"] = {"loadavg_1min": load, "loadavg_1min_after": os.getloadavg()[0],
                                "torch": torch.__version__, "torchft": version("torchft")}
     save(args.out, "ft", res, markdown, plot)
