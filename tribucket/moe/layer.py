@@ -491,7 +491,8 @@ class MoELayer(nn.Module):
                 shared_params = self._shared_parameters()
             # CPU grouped GEMMs run on each source rank's block as it came (no regroup copy
             # there and back); a GPU's, or experts one after another, on the regrouped rows
-            by_source = (grouped and meta.regroup and meta.unique is None and not x_TD.is_cuda
+            by_source = (grouped and meta.regroup and meta.unique is None
+                         and x_TD.device.type == "cpu"
                          and self.experts.impl_for(meta.num_recv) == "grouped_mm")
             try:
                 if beside:
