@@ -131,21 +131,41 @@ def moe_unpermute_rows(rows_ND: torch.Tensor, slot_N: torch.Tensor, K: int, num_
                        dead_rows: bool = False) -> torch.Tensor:
     """:func:`moe_unpermute_reference` given ``slot_N``: ``y[slot_N[n] // K] += w_N[n] · rows[n]``.
 
-    fp32 accumulation (one ``index_add_`` over the N rows); returns ``rows_ND.dtype``.
-    Example: K = 2, slot_N ``[0, 2, 1]`` (rows of slots 0, 2, 1), w ``[[.7, .3], [1., 0.]]``
-    -> ``y = [.7·r0 + .3·r2, 1·r1]``.
+    fp32 accumulation (``index_add_`` over the N rows, in row order); returns
+    ``rows_ND.dtype``. Example: K = 2, slot_N ``[0, 2, 1]`` (rows of slots 0, 2, 1), w
+    ``[[.7, .3], [1., 0.]]`` -> ``y = [.7·r0 + .3·r2, 1·r1]``. The weighted rows are made a
+    block of :data:`ROW_BLOCK_BYTES` at a time in one reused buffer: no ``[N, D]`` temporary
+    (a fresh one costs a page fault per 4 KiB on the CPU), and each block is added while it
+    is still in cache; every row of ``y`` gets its terms in the same order as in one call.
 
     ``dead_rows=True``: ``slot_N`` may hold ``S = num_tokens · K`` (one past the last slot)
     for rows that belong to no token (the dispatcher's flag rows); they add nothing to ``y``.
     """
     token_N = torch.div(slot_N, K, rounding_mode="floor")
-    src_ND = rows_ND if rows_ND.dtype == torch.float32 else rows_ND.float()
-    if weights_TK is not None:
-        src_ND = src_ND * _slot_weights(weights_TK, dead_rows).index_select(0, slot_N).unsqueeze(1)
+    N, D = rows_ND.shape
     # a dead row's token is num_tokens: one spare row of y takes it, and is cut off
-    y_TD = src_ND.new_zeros((num_tokens + int(dead_rows), rows_ND.shape[1]))
-    y_TD = y_TD.index_add_(0, token_N, src_ND)[:num_tokens]
-    return y_TD.to(rows_ND.dtype)
+    y_TD = rows_ND.new_zeros((num_tokens + int(dead_rows), D), dtype=torch.float32)
+    if weights_TK is None:
+        y_TD.index_add_(0, token_N, rows_ND if rows_ND.dtype == torch.float32 else rows_ND.float())
+        return y_TD[:num_tokens].to(rows_ND.dtype)
+    w_N1 = _slot_weights(weights_TK, dead_rows).index_select(0, slot_N).unsqueeze(1)
+    block = _block_rows(D)
+    buf = y_TD.new_empty((min(block, N), D))
+    for start in range(0, N, block):
+        end = min(N, start + block)
+        part = torch.mul(rows_ND[start:end], w_N1[start:end], out=buf[:end - start])
+        y_TD.index_add_(0, token_N[start:end], part)
+    return y_TD[:num_tokens].to(rows_ND.dtype)
+
+
+#: the CPU row path's block: :func:`moe_unpermute_rows` weighs this many bytes of rows at a
+#: time (measured on a 2-core EPYC, D 256: 256 KiB ties the one-shot product, 1-2 MiB is
+#: 20-25% faster; smaller blocks pay index_add_'s per-call cost)
+ROW_BLOCK_BYTES = 1 << 20
+
+
+def _block_rows(D: int) -> int:
+    return max(1, ROW_BLOCK_BYTES // (4 * max(D, 1)))
 
 
 def _slot_weights(weights_TK: torch.Tensor, dead_rows: bool) -> torch.Tensor:

@@ -316,3 +316,24 @@ def test_import_and_cpu_path_without_triton():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_bytes", [4 * 5, 4 * 5 * 7, 1 << 40])
+def test_row_path_combine_in_blocks_is_the_one_shot_sum(monkeypatch, dtype, block_bytes):
+    """The weighted combine runs a block of rows at a time; whatever the block (one row,
+    a ragged last block, one block for everything), every y equals the one-shot sum to the
+    bit, dead rows included."""
+    from tribucket.kernels import moe_reference
+
+    T, K, D = 23, 3, 5
+    g = torch.Generator().manual_seed(11)
+    dest, N = _routing(T, K, 0.3, seed=4)
+    slot_N = torch.cat([_slots(dest, N), torch.tensor([T * K])])  # a flag row at the end
+    rows = torch.randn(N + 1, D, generator=g).to(dtype)
+    w = torch.rand(T, K, generator=g)
+    token_N = torch.div(slot_N, K, rounding_mode="floor")
+    w_N1 = torch.cat([w.reshape(-1), torch.zeros(1)]).index_select(0, slot_N).unsqueeze(1)
+    want = torch.zeros(T + 1, D).index_add_(0, token_N, rows.float() * w_N1)[:T].to(dtype)
+    monkeypatch.setattr(moe_reference, "ROW_BLOCK_BYTES", block_bytes)
+    _assert_equal("y", moe_unpermute_rows(rows, slot_N, K, T, w, dead_rows=True), want)
