@@ -86,7 +86,7 @@ def test_join_throw_on_early_termination(dist_run):
 
 
 # ---------------------------------------------------------------- peer failure
-def _peer_fails(mode, timeout_s=3.0):
+def _peer_fails(mode, timeout_s=2.0):
     rank = dist.get_rank()
     model = build("mlp")
     try:
@@ -221,9 +221,10 @@ def _train(kind, steps, start, path=None, save_at=None):
 def test_resume_is_bit_exact(dist_run, kind, world_size):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ckpt")
-        straight = dist_run(_train, kind, 6, 0, world_size=world_size)
-        dist_run(_train, kind, 3, 0, path, 3, world_size=world_size, teardown=True)
-        resumed = dist_run(_train, kind, 3, 3, path, world_size=world_size)  # fresh processes
+        # six steps straight, checkpointed after the third; then the last three again,
+        # resumed from that checkpoint in fresh processes
+        straight = dist_run(_train, kind, 6, 0, path, 3, world_size=world_size, teardown=True)
+        resumed = dist_run(_train, kind, 3, 3, path, world_size=world_size)
     for (a, _), (b, rebuilds) in zip(straight, resumed):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
         assert rebuilds == 1  # the rebuilt layout came from the checkpoint, not a new rebuild
