@@ -81,16 +81,42 @@ def _worker_main(rank: int, world_size: int, init_file: str, log_path: str, task
             break
         call_id, module, name, args, kwargs = task
         print(f"--- call {call_id}: {module}.{name}", flush=True)
+        _CALL.update(dir=os.path.dirname(init_file), id=call_id, rank=rank, world=world_size)
         try:
             fn = getattr(importlib.import_module(module), name)
             out = fn(*_loads(args), **_loads(kwargs))
             results.put((call_id, rank, True, _dumps(out)))
         except BaseException:  # noqa: BLE001 - report everything to the parent
             results.put((call_id, rank, False, traceback.format_exc().encode()))
+        finally:
+            open(_returned(call_id, rank), "w").close()
     try:
         dist.destroy_process_group()
     except Exception:
         pass
+
+
+#: in a worker: the call it is running (pool directory, call id, rank, world size)
+_CALL: dict = {}
+
+
+def _returned(call_id: int, rank: int) -> str:
+    return os.path.join(_CALL["dir"], f"returned.{call_id}.{rank}")
+
+
+def stall_until_the_others_return(max_s: float) -> float:
+    """In a worker: sleep like a stalled rank until every other rank of this call has
+    returned from it (they raised, as they should, or finished), or ``max_s`` passed;
+    returns the time slept. A stalled rank's test then lasts as long as its peers take to
+    give up, not a fixed sleep past their timeout: where the peers never give up (the
+    feature broken), the stall lasts ``max_s`` as a plain sleep would."""
+    start = time.monotonic()
+    others = [r for r in range(_CALL["world"]) if r != _CALL["rank"]]
+    while time.monotonic() - start < max_s:
+        if all(os.path.exists(_returned(_CALL["id"], r)) for r in others):
+            break
+        time.sleep(0.02)
+    return time.monotonic() - start
 
 
 class WorkerPool:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import tribucket
 from tribucket import hooks
+from _dist import stall_until_the_others_return
 from models import batch, build, loss_of
 
 TIMEOUT = datetime.timedelta(seconds=4)
@@ -271,7 +272,7 @@ def _hook_with_stalled_peer(kind, timeout_s=2.0):
                 red.register_comm_hook(None, _never_completes)
             for step in range(5):
                 if step == 3 and rank == 1 and kind != "never":
-                    time.sleep(timeout_s * 3)  # stalls past the others' timeout
+                    stall_until_the_others_return(timeout_s * 3)  # past their timeout
                     return "slept", time.monotonic()
                 loss_of(model(batch("mlp", rank, step))).backward()
     except RuntimeError as e:
@@ -302,7 +303,7 @@ def _stall_mid_backward(timeout_s=2.0):
     woke = []
 
     def stall(g):  # rank 1 stalls in the middle of its backward, after some buckets left
-        time.sleep(timeout_s * 3)
+        stall_until_the_others_return(timeout_s * 3)
         woke.append(time.monotonic())
         return g
     try:
@@ -540,15 +541,13 @@ def test_an_extra_pass_on_one_rank_is_named_at_the_next_backward(dist_run, debug
 
 def _late_for_the_first_backward(timeout_s=2.0):
     """Rank 1 reaches its first backward late (slow start, a long first batch)."""
-    import time
-
     rank = dist.get_rank()
     model = build("mlp")
     try:
         with tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
                                        timeout=datetime.timedelta(seconds=timeout_s)):
             if rank == 1:
-                time.sleep(timeout_s * 3)
+                stall_until_the_others_return(timeout_s * 3)
             loss_of(model(batch("mlp", rank, 0))).backward()
     except RuntimeError as e:
         return str(e)
@@ -605,15 +604,13 @@ def test_a_hook_that_raised_on_this_rank_is_named_as_such(dist_run):
 
 def _late_for_a_buffer_broadcast(timeout_s=2.0):
     """Rank 1 is late for its third forward (BatchNorm buffers: each forward broadcasts)."""
-    import time
-
     rank = dist.get_rank()
     model = build("bn")
     try:
         with tribucket.fused_bucketing(model, timeout=datetime.timedelta(seconds=timeout_s)):
             for step in range(3):
                 if rank == 1 and step == 2:
-                    time.sleep(timeout_s * 3)
+                    stall_until_the_others_return(timeout_s * 3)
                 loss_of(model(batch("bn", rank, step))).backward()
     except RuntimeError as e:
         return str(e)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _dist import stall_until_the_others_return
 from tribucket.moe import MoELayer, gathered_experts
 from test_moe import D, _dense_moe, _error_of, _ffn, _in_step
 
@@ -127,13 +128,13 @@ def _peer_fails(mode, timeout_s=1.5):
                 if mode == "exit":
                     os._exit(7)
                 if mode == "forward":
-                    time.sleep(timeout_s * 2.5)
+                    stall_until_the_others_return(timeout_s * 2.5)
                     return "slept", time.monotonic()
                 if mode == "evaluate":  # `if rank == 0: evaluate(model)`: rank 1 goes on
                     return "skipped", time.monotonic()
             y = layer(x)
             if step == 1 and rank == 1 and mode == "backward":
-                time.sleep(timeout_s * 2.5)
+                stall_until_the_others_return(timeout_s * 2.5)
                 return "slept", time.monotonic()
             y.sum().backward()
     except RuntimeError as e:

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tribucket
 from tribucket import hooks
+from _dist import stall_until_the_others_return
 from models import batch, build, loss_of
 from test_reducer import assert_states_equal
 
@@ -96,7 +97,7 @@ def _peer_fails(mode, timeout_s=2.0):
                 if step == 3 and rank == 1:
                     if mode == "exit":
                         os._exit(7)
-                    time.sleep(timeout_s * 2.5)  # stalls past the others' timeout
+                    stall_until_the_others_return(timeout_s * 2.5)  # past their timeout
                     return "slept", time.monotonic()  # (CLOCK_MONOTONIC: one clock per host)
                 loss_of(model(batch("mlp", rank, step))).backward()
     except RuntimeError as e:
