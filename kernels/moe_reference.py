@@ -149,7 +149,9 @@ def moe_unpermute_rows(rows_ND: torch.Tensor, slot_N: torch.Tensor, K: int, num_
         y_TD.index_add_(0, token_N, rows_ND if rows_ND.dtype == torch.float32 else rows_ND.float())
         return y_TD[:num_tokens].to(rows_ND.dtype)
     w_N1 = _slot_weights(weights_TK, dead_rows).index_select(0, slot_N).unsqueeze(1)
-    block = _block_rows(D)
+    # blocks on the CPU; elsewhere one block (a launch per block would cost more there than
+    # the caching allocator's temporary does)
+    block = _block_rows(D) if rows_ND.device.type == "cpu" else max(N, 1)
     buf = y_TD.new_empty((min(block, N), D))
     for start in range(0, N, block):
         end = min(N, start + block)
@@ -158,7 +160,7 @@ def moe_unpermute_rows(rows_ND: torch.Tensor, slot_N: torch.Tensor, K: int, num_
     return y_TD[:num_tokens].to(rows_ND.dtype)
 
 
-#: the CPU row path's block: :func:`moe_unpermute_rows` weighs this many bytes of rows at a
+#: the CPU row path's block: :func:`moe_unpermute_rows` weighs this many bytes of CPU rows at a
 #: time (measured on a 2-core EPYC, D 256: 256 KiB ties the one-shot product, 1-2 MiB is
 #: 20-25% faster; smaller blocks pay index_add_'s per-call cost)
 ROW_BLOCK_BYTES = 1 << 20
