@@ -21,14 +21,16 @@ What is measured: per synchronised backward, from its start to every ``.grad`` a
 (``reducer.stats.backward_compute_s + comm_exposed_s``): the part of the step the layout
 changes. A rank reports each candidate's median (of 4).
 
-The decision: one all-reduce (MAX) of the per-candidate medians, so each candidate is judged
-by its slowest rank and every rank holds the same figures; the smallest wins, ties to the
-earlier candidate, and the default layout (the caps a plain run would use) is kept unless a
-candidate beats it by more than the noise: half the spread of the default's own
-measurements ((max - min) / median, its worst rank; in the same all-reduce), and at least
-:data:`KEEP_DEFAULT_WITHIN` (timing noise must not move a run off the default for nothing:
-on a shared 2-core machine two runs of one layout differ by 5-7%). Same figures, same rule:
-the same choice on every rank.
+The decision: one all-reduce (MAX) of the per-candidate medians and two noise figures, so
+each candidate is judged by its slowest rank and every rank holds the same figures; the
+smallest wins, ties to the earlier candidate, and the default layout (the caps a plain run
+would use) is kept unless a candidate beats it by more than the noise margin: the spread of
+the measurements ((max - min) / median), the larger of the default's own and the mean over
+the candidates, the worst rank, and at least :data:`KEEP_DEFAULT_WITHIN` (:func:`pick`).
+Timing noise must not move a run off the default for nothing: on a shared 2-core machine
+one step's time swings by 5-10%, and with a margin of half the default's spread noise alone
+left the default in about a third of the searches. Same figures, same rule: the same choice
+on every rank.
 
 Where the layout changes: at the end of a backward pass, after every gradient is averaged and
 in ``.grad`` — the point where the one rebuild already happens — never during one. The
@@ -47,8 +49,8 @@ import torch.distributed as dist
 
 from ..config import AUTO, MiB, ReducerConfig
 
-__all__ = ["AutoTuner", "tuner_for", "WARMUP_STEPS", "MEASURED_STEPS", "VISITS",
-           "BUCKET_CAPS_MB", "FIRST_CAPS_MB", "HALF"]
+__all__ = ["AutoTuner", "tuner_for", "local_figures", "pick", "WARMUP_STEPS", "MEASURED_STEPS",
+           "VISITS", "BUCKET_CAPS_MB", "FIRST_CAPS_MB", "HALF"]
 
 #: steps run with a new candidate before measuring it (fresh buffers, cold caches)
 WARMUP_STEPS = 1
@@ -109,6 +111,7 @@ class AutoTuner:
         self.samples: list[list[float]] = [[] for _ in self.candidates]
         self.medians: list[float] | None = None     # max over ranks, after the decision
         self.default_spread: float | None = None     # the default's (max-min)/median, worst rank
+        self.noise_margin: float | None = None       # what a candidate must beat it by
         self.choice: tuple[int, int] | None = None  # the caps kept (done)
         self.current = -1                           # candidate measured now (-1: waiting)
         self.visit = 0                              # index into the visit order
@@ -193,27 +196,20 @@ class AutoTuner:
         self.relayouts += 1
 
     def _decide(self, bw: Any) -> tuple[int, int]:
-        """Every rank's medians and the default's spread, max over ranks (one all-reduce),
-        then the same rule."""
-        local = [statistics.median(s) if s else 0.0 for s in self.samples]
-        own = self.samples[0]
-        spread = (max(own) - min(own)) / statistics.median(own) if len(own) > 1 else 0.0
-        t = torch.tensor(local + [spread], dtype=torch.float64, device=bw.guard.device)
+        """Every rank's figures (:func:`local_figures`), max over ranks (one all-reduce), then
+        the same rule (:func:`pick`)."""
+        t = torch.tensor(local_figures(self.samples), dtype=torch.float64,
+                         device=bw.guard.device)
         if bw.world_size > 1:
             guard = bw.guard
             guard.fingerprint("autotune", bw.passes, 0, t.numel(), t.dtype)
             work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=guard.group_arg(),
                                    async_op=True)
             guard.wait(work, "the bucket_cap_mb='auto' decision (all-reduce)", bw.passes)
-        *medians, spread = t.tolist()
-        medians = [v if v > 0 else float("inf") for v in medians]  # never measured
-        self.medians, self.default_spread = medians, spread
-        best = min(range(len(medians)), key=lambda i: (medians[i], i))
-        # the default stays unless beaten by more than the noise: its own measurements'
-        # spread (max - min over median, the worst rank) halved, at least KEEP_DEFAULT_WITHIN
-        if medians[0] <= medians[best] * (1 + max(KEEP_DEFAULT_WITHIN, spread / 2)):
-            best = 0  # the default
-        return self.candidates[best]
+        figures = t.tolist()
+        *medians, self.default_spread, self.noise_margin = figures
+        self.medians = [v if v > 0 else float("inf") for v in medians]  # never measured
+        return self.candidates[pick(figures)]
 
     def adopt(self, saved: dict) -> None:
         """A resumed run: take the saved choice (no tuning) or the saved schedule."""
@@ -249,9 +245,44 @@ class AutoTuner:
             autotune_done=int(self.done),
             autotune_default_spread=None if self.default_spread is None
             else round(self.default_spread, 4),
+            autotune_noise_margin=None if self.noise_margin is None
+            else round(max(KEEP_DEFAULT_WITHIN, self.noise_margin), 4),
             autotune_bucket_cap_mb=None if self.choice is None else mb(self.choice[0]),
             autotune_first_bucket_cap_mb=None if self.choice is None else mb(self.choice[1]),
         )
+
+
+def _spread(samples: list[float]) -> float:
+    """(max - min) / median of one candidate's measurements (0 with fewer than two)."""
+    return (max(samples) - min(samples)) / statistics.median(samples) if len(samples) > 1 else 0.0
+
+
+def local_figures(samples: list[list[float]]) -> list[float]:
+    """This rank's figures for the decision: each candidate's median step (0: none), then
+    the default's spread (:func:`_spread`), then the noise margin: the larger of that and the
+    mean spread over the candidates. Ranks combine them by MAX."""
+    spreads = [_spread(s) for s in samples if s]
+    mean = statistics.fmean(spreads) if spreads else 0.0
+    default = _spread(samples[0]) if samples[0] else 0.0
+    return [statistics.median(s) if s else 0.0 for s in samples] + [default, max(default, mean)]
+
+
+def pick(figures: list[float]) -> int:
+    """The candidate kept, from the figures of :func:`local_figures` (max over ranks): the
+    fastest median, unless the default (candidate 0) is within the noise margin of it (and
+    within :data:`KEEP_DEFAULT_WITHIN`): then the default.
+
+    The margin is the full spread of a candidate's measurements, not half of it: with
+    :data:`MEASURED_STEPS` x :data:`VISITS` = 4 measurements, the range is about 2 standard
+    deviations of one step and the difference of two medians of 4 about 0.8: a smaller
+    margin lets noise alone move the run off the default in about a third of the searches
+    over five equal candidates, this one in about 3% (``tests/test_autotune.py``)."""
+    *medians, _default, margin = figures
+    medians = [v if v > 0 else float("inf") for v in medians]  # never measured
+    best = min(range(len(medians)), key=lambda i: (medians[i], i))
+    if medians[0] <= medians[best] * (1 + max(KEEP_DEFAULT_WITHIN, margin)):
+        return 0  # the default
+    return best
 
 
 def tuner_for(config: ReducerConfig, policy: Any) -> AutoTuner | None:
