@@ -85,12 +85,14 @@ def init_worker(rank: int, world: int, port: int, backend: str = "gloo"):
 
 
 def round_robin(run: Callable[[str], None], names: list[str], rounds: int,
-                warmup: int) -> dict[str, list[float]]:
+                warmup: int, alternate: bool = False) -> dict[str, list[float]]:
     """Seconds per step of each variant: one step of each per round (so drift in machine
-    load hits all alike), every step starting together on every rank."""
+    load hits all alike), every step starting together on every rank. ``alternate``: every
+    other round in reverse order, so that each variant's mean position in a round is the
+    same (a step's time can depend on which variant ran before it)."""
     times: dict[str, list[float]] = {k: [] for k in names}
     for it in range(warmup + rounds):
-        for name in names:
+        for name in (names[::-1] if alternate and it % 2 else names):
             dist.barrier()
             t0 = time.perf_counter()
             run(name)

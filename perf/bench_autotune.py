@@ -10,12 +10,22 @@ Two ranks (one intra-op thread each) train the same model on the same data with:
 
 The "auto" variants first train alone until their tuning is done (the steps it took are
 reported); then every variant runs round-robin, one step each per round, so drift in
-machine load hits all alike. The figure is the median over rounds of rank 0's step time
+machine load hits all alike, every other round in reverse order (a variant's step can be
+faster or slower for the one run before it: each variant's mean position is the same). The
+figure is the median over rounds of rank 0's step time
 (zero_grad + forward + backward + SGD step). Models: ``perf/bench_step.py``'s MLP and
 transformer, and ``small``: 2048 parameter tensors of 64 floats (host cost per parameter).
 
+Then a confirmation run per model: fresh processes (the auto variants tune again), only the
+best fixed variant of the sweep, the default and the two auto variants, for as many rounds
+as ``--confirm-s`` seconds allow. On this machine one step's time varies by about 10% from
+round to round, so the sweep's 25 rounds cannot tell 1.02x from 1.00x; the confirmation
+pairs auto's step with the best fixed one's in each of hundreds of rounds and gives the
+median ratio with a 95% bootstrap interval. The best is picked on the sweep and judged on
+the confirmation's own rounds, so its time is not flattered by having been picked.
+
     python perf/bench_autotune.py                 # writes perf/results/autotune.{json,md,png}
-    python perf/bench_autotune.py --rounds 5      # quicker
+    python perf/bench_autotune.py --rounds 5 --confirm-s 0   # quicker, no confirmation
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import json
 import os
 import pathlib
 import platform
+import random
 import statistics
 import sys
 import time
@@ -91,7 +102,7 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
             n += 1
         tuning[name] = dict(steps=n, seconds=time.perf_counter() - t0,
                             **steps[name][3].logging_data())
-    times = round_robin(run, variants, rounds, warmup)
+    times = round_robin(run, variants, rounds, warmup, alternate=True)
     if rank == 0:
         model = steps[variants[0]][0]
         out = {
@@ -115,6 +126,38 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
 def measure(model_name: str, rounds: int, warmup: int, variants: list = VARIANTS) -> dict:
     return spawn_measure(_worker, RESULTS / f".autotune_{model_name}.json", model_name,
                          rounds, warmup, 2, list(variants))
+
+
+def confirm(res: dict, seconds: float, warmup: int) -> dict:
+    """The confirmation run of one model (see the module's docstring)."""
+    variants = confirm_variants(res)
+    per_round = sum(res["median_s"][v] for v in variants)
+    rounds = max(50, min(600, int(seconds / per_round)))
+    c = measure(res["model"], rounds, warmup, variants)
+    best = variants[0]
+    return dict(best=best, rounds=rounds, variants=variants, median_s=c["median_s"],
+                all_s=c["all_s"], tuning=c["tuning"], buckets=c["buckets"],
+                same_buckets={v: [w for w in variants if w != v and c["layouts"][w] == c["layouts"][v]]
+                              for v in ("auto", "auto both")},
+                vs_best={v: paired_ratio(c["all_s"], v, best) for v in ("auto", "auto both")},
+                vs_default={v: paired_ratio(c["all_s"], v, "default")
+                            for v in ("auto", "auto both")})
+
+
+def confirm_variants(res: dict) -> list[str]:
+    """The best fixed variant of the sweep (its median step), the default and the autos."""
+    fixed = [v for v in VARIANTS if not v.startswith("auto")]
+    best = min(fixed, key=res["median_s"].__getitem__)
+    return list(dict.fromkeys([best, "default", "auto", "auto both"]))
+
+
+def paired_ratio(all_s: dict, mine: str, other: str, seed: int = 0) -> dict:
+    """``mine``'s step over ``other``'s in the same round: the median over rounds and its 95%
+    bootstrap interval (the rounds resampled 2000 times)."""
+    r = [a / b for a, b in zip(all_s[mine], all_s[other])]
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(r, k=len(r))) for _ in range(2000))
+    return dict(median=statistics.median(r), lo=meds[49], hi=meds[1950], rounds=len(r))
 
 
 def by_layout(res: dict) -> dict:
@@ -145,11 +188,13 @@ def by_layout(res: dict) -> dict:
 
 def held_out(rel: dict, mine: str, fixed: set) -> float:
     """``mine`` against the best fixed layout, without the winner's curse: the best is picked
-    on the even rounds and judged on the odd ones (each round's ratio, the median), then the
-    other way round; the mean of the two. (Picked and judged on the same rounds, the best of
-    several noisy layouts looks better than it is, and every ratio against it worse.)"""
+    on one half of the rounds and judged on the other (each round's ratio, the median), then
+    the other way round; the mean of the two. (Picked and judged on the same rounds, the best
+    of several noisy layouts looks better than it is, and every ratio against it worse.) The
+    halves take the rounds two by two (0 1, 4 5, ... and 2 3, 6 7, ...), so each holds as many
+    rounds in the reversed order as in the first."""
     n = len(next(iter(rel.values())))
-    halves = [range(0, n, 2), range(1, n, 2)]
+    halves = [[i for i in range(n) if i // 2 % 2 == h] for h in (0, 1)]
     out = []
     for pick, judge in (halves, halves[::-1]):
         best = min(fixed, key=lambda k: (statistics.median(rel[k][i] for i in pick), k))
@@ -179,7 +224,8 @@ def table(results: list[dict], meta: dict) -> str:
     lines = [f"Training step (forward, backward, SGD), 2 gloo ranks x 1 intra-op thread on a "
              f"{meta['cpus']}-CPU {meta['machine']} machine, torch {meta['torch']}; median of "
              f"{meta['rounds']} rounds after {meta['warmup']} warm-up, variants interleaved "
-             f"(the auto variants tuned first); 1-min load average {load[0]:.2f} at the start, "
+             f"({'every other round in reverse order; ' if meta.get('alternate') else ''}"
+             f"the auto variants tuned first); 1-min load average {load[0]:.2f} at the start, "
              f"{meta['load_end'][0]:.2f} at the end. Layout: variants with the same letter have "
              f"the same buckets; by layout: their steps pooled per round (layout (ms): the median "
              f"over rounds); layout vs best: each round divided by its mean over the layouts, "
@@ -228,6 +274,25 @@ def table(results: list[dict], meta: dict) -> str:
             notes.append(f"{res['model']}: noise floor of this run {ver['noise_floor'] * 100:.1f}% "
                          f"(the largest gap between two variants with the same buckets)")
     lines += ["", "Tuning:", ""] + [f"- {n}" for n in notes]
+    confirmed = [res for res in results if "confirm" in res]
+    if confirmed:
+        lines += ["", "Confirmation (fresh processes; the best fixed variant of the sweep, the "
+                  "default and the auto variants, tuned again, interleaved; per round auto's "
+                  "step over the other's, the median over rounds [95% bootstrap interval]):", "",
+                  "| model | variant | rounds | chose (cap/first MiB) | same buckets as | vs best "
+                  "fixed of the sweep | vs default | step (ms) |",
+                  "| --- | --- | ---: | --- | --- | --- | --- | ---: |"]
+        for res in confirmed:
+            c = res["confirm"]
+            for v in ("auto", "auto both"):
+                b, d, t = c["vs_best"][v], c["vs_default"][v], c["tuning"][v]
+                lines.append(
+                    f"| {res['model']} | {v} | {b['rounds']} | "
+                    f"{t['autotune_bucket_cap_mb']}/{t['autotune_first_bucket_cap_mb']} | "
+                    f"{', '.join(c['same_buckets'][v]) or '-'} | "
+                    f"{b['median']:.3f}× [{b['lo']:.3f}-{b['hi']:.3f}] ({c['best']}) | "
+                    f"{d['median']:.3f}× [{d['lo']:.3f}-{d['hi']:.3f}] | "
+                    f"{c['median_s'][v] * 1e3:.1f} |")
     return "\n".join(lines)
 
 
@@ -241,6 +306,8 @@ def main(argv=None) -> None:
     p.add_argument("--models", default="mlp,transformer,small")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--confirm-s", type=float, default=240.0,
+                   help="seconds of confirmation rounds per model (0: none)")
     p.add_argument("--render", action="store_true",
                    help="re-make autotune.md and .png from autotune.json without measuring")
     args = p.parse_args(argv)
@@ -252,10 +319,15 @@ def main(argv=None) -> None:
         results = []
         for name in args.models.split(","):
             t0 = time.time()
-            results.append(measure(name, args.rounds, args.warmup))
+            res = measure(name, args.rounds, args.warmup)
             print(f"{name}: {time.time() - t0:.0f}s", file=sys.stderr)
+            if args.confirm_s > 0:
+                res["confirm"] = confirm(res, args.confirm_s, args.warmup)
+                print(f"{name} confirmed: {time.time() - t0:.0f}s", file=sys.stderr)
+            results.append(res)
         meta = {"torch": torch.__version__, "machine": platform.machine(),
                 "cpus": os.cpu_count(), "rounds": args.rounds, "warmup": args.warmup,
+                "confirm_s": args.confirm_s, "alternate": True,
                 "loadavg": loadavg, "load_end": list(os.getloadavg())}
         data = {"meta": meta, "results": results}
         (RESULTS / "autotune.json").write_text(json.dumps(data, indent=1))
