@@ -17,8 +17,8 @@ figure is the median over rounds of rank 0's step time
 transformer, and ``small``: 2048 parameter tensors of 64 floats (host cost per parameter).
 
 Then a confirmation run per model: fresh processes (the auto variants tune again), only the
-best fixed variant of the sweep, the default and the two auto variants, for as many rounds
-as ``--confirm-s`` seconds allow. On this machine one step's time varies by about 10% from
+best fixed variant of the sweep, the best variant of the best fixed layout (when another),
+the default and the two auto variants, for as many rounds as ``--confirm-s`` seconds allow. On this machine one step's time varies by about 10% from
 round to round, so the sweep's 25 rounds cannot tell 1.02x from 1.00x; the confirmation
 pairs auto's step with the best fixed one's in each of hundreds of rounds and gives the
 median ratio with a 95% bootstrap interval. The best is picked on the sweep and judged on
@@ -130,25 +130,31 @@ def measure(model_name: str, rounds: int, warmup: int, variants: list = VARIANTS
 
 def confirm(res: dict, seconds: float, warmup: int) -> dict:
     """The confirmation run of one model (see the module's docstring)."""
-    variants = confirm_variants(res)
+    variants, best, best_layout = confirm_variants(res)
     per_round = sum(res["median_s"][v] for v in variants)
     rounds = max(50, min(600, int(seconds / per_round)))
     c = measure(res["model"], rounds, warmup, variants)
-    best = variants[0]
-    return dict(best=best, rounds=rounds, variants=variants, median_s=c["median_s"],
-                all_s=c["all_s"], tuning=c["tuning"], buckets=c["buckets"],
+    autos = ("auto", "auto both")
+    return dict(best=best, best_layout=best_layout, rounds=rounds, variants=variants,
+                median_s=c["median_s"], all_s=c["all_s"], tuning=c["tuning"],
+                buckets=c["buckets"],
                 same_buckets={v: [w for w in variants if w != v and c["layouts"][w] == c["layouts"][v]]
-                              for v in ("auto", "auto both")},
-                vs_best={v: paired_ratio(c["all_s"], v, best) for v in ("auto", "auto both")},
-                vs_default={v: paired_ratio(c["all_s"], v, "default")
-                            for v in ("auto", "auto both")})
+                              for v in autos},
+                vs_best={v: paired_ratio(c["all_s"], v, best) for v in autos},
+                vs_best_layout={v: paired_ratio(c["all_s"], v, best_layout) for v in autos},
+                vs_default={v: paired_ratio(c["all_s"], v, "default") for v in autos})
 
 
-def confirm_variants(res: dict) -> list[str]:
-    """The best fixed variant of the sweep (its median step), the default and the autos."""
+def confirm_variants(res: dict) -> tuple[list[str], str, str]:
+    """``(variants, best, best layout)``: the best fixed variant of the sweep (its own median
+    step), the fastest variant of the best fixed layout (:func:`verdicts`; often the same),
+    the default and the autos."""
     fixed = [v for v in VARIANTS if not v.startswith("auto")]
     best = min(fixed, key=res["median_s"].__getitem__)
-    return list(dict.fromkeys([best, "default", "auto", "auto both"]))
+    ver = verdicts(res)
+    best_layout = min(ver["best_variants"], key=res["median_s"].__getitem__)
+    return list(dict.fromkeys([best, best_layout, "default", "auto", "auto both"])), best, \
+        best_layout
 
 
 def paired_ratio(all_s: dict, mine: str, other: str, seed: int = 0) -> dict:
@@ -280,19 +286,21 @@ def table(results: list[dict], meta: dict) -> str:
                   "default and the auto variants, tuned again, interleaved; per round auto's "
                   "step over the other's, the median over rounds [95% bootstrap interval]):", "",
                   "| model | variant | rounds | chose (cap/first MiB) | same buckets as | vs best "
-                  "fixed of the sweep | vs default | step (ms) |",
-                  "| --- | --- | ---: | --- | --- | --- | --- | ---: |"]
+                  "fixed of the sweep | vs best fixed layout of the sweep | vs default | "
+                  "step (ms) |",
+                  "| --- | --- | ---: | --- | --- | --- | --- | --- | ---: |"]
+        ratio = lambda r: f"{r['median']:.3f}× [{r['lo']:.3f}-{r['hi']:.3f}]"  # noqa: E731
         for res in confirmed:
             c = res["confirm"]
             for v in ("auto", "auto both"):
-                b, d, t = c["vs_best"][v], c["vs_default"][v], c["tuning"][v]
+                t = c["tuning"][v]
                 lines.append(
-                    f"| {res['model']} | {v} | {b['rounds']} | "
+                    f"| {res['model']} | {v} | {c['rounds']} | "
                     f"{t['autotune_bucket_cap_mb']}/{t['autotune_first_bucket_cap_mb']} | "
                     f"{', '.join(c['same_buckets'][v]) or '-'} | "
-                    f"{b['median']:.3f}× [{b['lo']:.3f}-{b['hi']:.3f}] ({c['best']}) | "
-                    f"{d['median']:.3f}× [{d['lo']:.3f}-{d['hi']:.3f}] | "
-                    f"{c['median_s'][v] * 1e3:.1f} |")
+                    f"{ratio(c['vs_best'][v])} ({c['best']}) | "
+                    f"{ratio(c['vs_best_layout'][v])} ({c['best_layout']}) | "
+                    f"{ratio(c['vs_default'][v])} | {c['median_s'][v] * 1e3:.1f} |")
     return "\n".join(lines)
 
 
@@ -306,7 +314,7 @@ def main(argv=None) -> None:
     p.add_argument("--models", default="mlp,transformer,small")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--confirm-s", type=float, default=240.0,
+    p.add_argument("--confirm-s", type=float, default=300.0,
                    help="seconds of confirmation rounds per model (0: none)")
     p.add_argument("--render", action="store_true",
                    help="re-make autotune.md and .png from autotune.json without measuring")
