@@ -283,8 +283,10 @@ def table(results: list[dict], meta: dict) -> str:
     confirmed = [res for res in results if "confirm" in res]
     if confirmed:
         lines += ["", "Confirmation (fresh processes; the best fixed variant of the sweep, the "
-                  "default and the auto variants, tuned again, interleaved; per round auto's "
-                  "step over the other's, the median over rounds [95% bootstrap interval]):", "",
+                  "best variant of its best fixed layout, the default and the auto variants, "
+                  "tuned again, interleaved, every other round in reverse order; per round "
+                  "auto's step over the other's, the median over rounds [95% bootstrap "
+                  "interval]):", "",
                   "| model | variant | rounds | chose (cap/first MiB) | same buckets as | vs best "
                   "fixed of the sweep | vs best fixed layout of the sweep | vs default | "
                   "step (ms) |",
