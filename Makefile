@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[integrations]' $(TORCH_PIN)
 	@# torchft (fault tolerance across replica groups, tests/test_ft.py), the same way
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[ft]' $(TORCH_PIN)
+	@# the native gradient hooks, compiled now (once per machine, ~50 s on 2 cores) rather than
+	@# in the background of the first demo or test run, where the compiler competes with the
+	@# job for the CPUs; without a compiler the Python hooks are used (the same results)
+	@echo ">> compiling tribucket's native gradient hooks (python -m tribucket.build)"
+	@$(PY) -m tribucket.build --quiet || echo ">> not built; the Python hooks are used"
 	@touch $(STAMP)
 
 # The demo relaunches itself as .venv/bin/torchrun --standalone --nproc-per-node 2 (gloo on
