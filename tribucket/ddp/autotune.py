@@ -207,8 +207,7 @@ class AutoTuner:
                                    async_op=True)
             guard.wait(work, "the bucket_cap_mb='auto' decision (all-reduce)", bw.passes)
         figures = t.tolist()
-        *medians, self.default_spread, self.noise_margin = figures
-        self.medians = [v if v > 0 else float("inf") for v in medians]  # never measured
+        self.medians, (self.default_spread, self.noise_margin) = _medians(figures), figures[-2:]
         return self.candidates[pick(figures)]
 
     def adopt(self, saved: dict) -> None:
@@ -261,24 +260,27 @@ def local_figures(samples: list[list[float]]) -> list[float]:
     """This rank's figures for the decision: each candidate's median step (0: none), then
     the default's spread (:func:`_spread`), then the noise margin: the larger of that and the
     mean spread over the candidates. Ranks combine them by MAX."""
-    spreads = [_spread(s) for s in samples if s]
-    mean = statistics.fmean(spreads) if spreads else 0.0
-    default = _spread(samples[0]) if samples[0] else 0.0
+    spreads = [_spread(s) for s in samples if s]  # (candidates never measured left out)
+    default, mean = _spread(samples[0]), statistics.fmean(spreads) if spreads else 0.0
     return [statistics.median(s) if s else 0.0 for s in samples] + [default, max(default, mean)]
+
+
+def _medians(figures: list[float]) -> list[float]:
+    """The candidates' medians from :func:`local_figures`' figures (inf: never measured)."""
+    return [v if v > 0 else float("inf") for v in figures[:-2]]
 
 
 def pick(figures: list[float]) -> int:
     """The candidate kept, from the figures of :func:`local_figures` (max over ranks): the
-    fastest median, unless the default (candidate 0) is within the noise margin of it (and
-    within :data:`KEEP_DEFAULT_WITHIN`): then the default.
+    fastest median, unless the default (candidate 0) is within the noise margin of it (at
+    least :data:`KEEP_DEFAULT_WITHIN`): then the default.
 
     The margin is the full spread of a candidate's measurements, not half of it: with
     :data:`MEASURED_STEPS` x :data:`VISITS` = 4 measurements, the range is about 2 standard
     deviations of one step and the difference of two medians of 4 about 0.8: a smaller
     margin lets noise alone move the run off the default in about a third of the searches
     over five equal candidates, this one in about 3% (``tests/test_autotune.py``)."""
-    *medians, _default, margin = figures
-    medians = [v if v > 0 else float("inf") for v in medians]  # never measured
+    medians, margin = _medians(figures), figures[-1]
     best = min(range(len(medians)), key=lambda i: (medians[i], i))
     if medians[0] <= medians[best] * (1 + max(KEEP_DEFAULT_WITHIN, margin)):
         return 0  # the default
