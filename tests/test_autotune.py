@@ -163,6 +163,93 @@ def test_a_resumed_run_keeps_the_choice_without_tuning(dist_run):
         assert resumed["log"]["autotune_bucket_cap_mb"] == tuned["log"]["autotune_bucket_cap_mb"]
 
 
+class _LaggingDevice:
+    """Stand-in CUDA events for a device that runs each backward in ``device_s[candidate]``
+    seconds and is one step behind the host: an event completes once the next backward has
+    begun, or when waited for (``synchronize``)."""
+
+    def __init__(self, device_s):
+        self.device_s, self.t, self.events, self.waits = device_s, 0.0, [], 0
+
+    def event(self):
+        dev = self
+
+        class Event:
+            done = False
+
+            def record(self, stream=None):
+                self.t = dev.t
+                dev.events.append(self)
+
+            def query(self):
+                return self.done
+
+            def synchronize(self):  # the stream runs in order: what came before is done too
+                dev.waits += not self.done
+                for e in dev.events[:dev.events.index(self) + 1]:
+                    e.done = True
+
+            def elapsed_time(self, end):  # ms, as torch.cuda.Event's
+                assert self.done and end.done, "read before the device passed it"
+                return (end.t - self.t) * 1e3
+
+        return Event()
+
+    def backward_begins(self):  # the device catches up with the host's previous step
+        for e in self.events:
+            e.done = True
+
+
+def _tuned_on_a_lagging_device(device_s):
+    rank = dist.get_rank()
+    model = build("mlp", seed=rank)
+    dev = _LaggingDevice(device_s)
+    current_stream = torch.cuda.current_stream
+    torch.cuda.current_stream = lambda device=None: None
+    try:
+        with _small_caps(), tribucket.fused_bucketing(model, bucket_cap_mb="auto") as reducer:
+            tuner = reducer._bw.tuner
+            tuner.on_device, tuner._event_factory = True, dev.event
+            begins = getattr(tuner, "backward_begins", lambda: None)
+
+            def backward_begins():
+                dev.backward_begins()
+                begins()
+
+            tuner.backward_begins = backward_begins
+
+            def run_on_device(grad):  # the backward's kernels
+                dev.t += dev.device_s[max(tuner.current, 0)]
+
+            next(model.parameters()).register_hook(run_on_device)
+            step = 0
+            while not tuner.done:
+                assert step < 60, "tuning did not finish"
+                loss_of(model(batch("mlp", rank, step))).backward()
+                model.zero_grad()
+                step += 1
+            return dict(samples=tuner.samples, medians=tuner.medians, choice=tuner.choice,
+                        candidates=tuner.candidates, waits=dev.waits)
+    finally:
+        torch.cuda.current_stream = current_stream
+
+
+def test_on_a_gpu_the_device_span_is_measured_not_the_hosts(dist_run):
+    # on a GPU the host leaves backward long before the device has run it: the host's
+    # seconds say nothing of the layout. Here the device takes 0.3 s per backward on the
+    # first two candidates and 0.1 s on the third, the host a few ms on all: the device's
+    # spans are the figures, read a step later without a wait, and the third is chosen
+    device_s = [0.3, 0.3, 0.1]
+    for r in dist_run(_tuned_on_a_lagging_device, device_s):
+        assert len(r["candidates"]) == 3, r["candidates"]
+        n = autotune.MEASURED_STEPS * autotune.VISITS
+        for got, want in zip(r["samples"], device_s):
+            assert got == pytest.approx([want] * n, rel=1e-6)
+        assert r["medians"] == pytest.approx(device_s, rel=1e-6)
+        assert r["choice"] == r["candidates"][2]
+        assert r["waits"] <= 1  # the decision waits for the last step's span only
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(bucket_cap_mb="auto", shard_optimizer=True), "bucket_cap_mb='auto'.*shard_optimizer"),
     (dict(first_bucket_cap_mb="auto", shard_optimizer=True), "first_bucket_cap_mb='auto'"),

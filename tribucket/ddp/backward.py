@@ -128,6 +128,8 @@ class Backward:
         p = self.pass_ = Pass(sync, len(self.params), self.passes)
         p.step = self.guard.step = self.forwards
         p.opt_step = self.opt_steps - self.opt_base
+        if self.tuner is not None:  # bucket_cap_mb="auto" on a GPU: an event marks the start
+            self.tuner.backward_begins()
         return p
 
     def on_grad_ready(self, index: int) -> None:
