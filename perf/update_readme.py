@@ -227,8 +227,9 @@ def _body(name: str) -> str | None:
     if name == "gpu":
         return gpu()
     md = RESULTS / f"{name}.md"
-    if name.startswith("gpu-"):  # a table of the GPU run: perf/results/gpu/<rest>.md
-        md = RESULTS / "gpu" / f"{name[4:]}.md"
+    if name.startswith("gpu-"):  # a table of the GPU run: perf/results/gpu/<rest>.md, and
+        # gpu-<machine>--<rest>: another GPU's run, perf/results/gpu/<machine>/<rest>.md
+        md = RESULTS / "gpu" / f"{name[4:].replace('--', '/', 1)}.md"
     if not md.exists():
         return None
     return _ISSUE_REF.sub("", md.read_text()).rstrip("\n") + "\n"
