@@ -235,10 +235,11 @@ def _tuned_on_a_lagging_device(device_s):
 
 
 def test_on_a_gpu_the_device_span_is_measured_not_the_hosts(dist_run):
-    # on a GPU the host leaves backward long before the device has run it: the host's
-    # seconds say nothing of the layout. Here the device takes 0.3 s per backward on the
-    # first two candidates and 0.1 s on the third, the host a few ms on all: the device's
-    # spans are the figures, read a step later without a wait, and the third is chosen
+    # on a GPU a host that does not wait for the device leaves backward long before the
+    # device has run it: its seconds say nothing of the layout. Here the device takes 0.3 s
+    # per backward on the first two candidates and 0.1 s on the third, the host a few ms on
+    # all: the device's spans are the figures, read a step later without a wait, and the
+    # third is chosen
     device_s = [0.3, 0.3, 0.1]
     for r in dist_run(_tuned_on_a_lagging_device, device_s):
         assert len(r["candidates"]) == 3, r["candidates"]
