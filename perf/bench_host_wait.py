@@ -39,16 +39,21 @@ OUT = pathlib.Path(__file__).resolve().parent / "results" / "gpu"
 STEPS = 10  # steps per timed run, back to back
 
 
+def _sleep_ms(cycles: int) -> float:
+    """Device milliseconds of ``torch.cuda._sleep(cycles)``, timed by CUDA events."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(cycles)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
 def _sleep_cycles(ms: float) -> int:
     """Cycles of ``torch.cuda._sleep`` that take about ``ms`` on this device."""
     n = 10_000_000
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(n)
-    a.record()
-    torch.cuda._sleep(n)
-    b.record()
-    b.synchronize()
-    return int(n * ms / a.elapsed_time(b))
+    _sleep_ms(n)  # warm
+    return int(n * ms / _sleep_ms(n))
 
 
 def measure(name: str, device: torch.device, device_ms: float, rounds: int) -> dict:
@@ -99,12 +104,7 @@ def measure(name: str, device: torch.device, device_ms: float, rounds: int) -> d
     out = {v: dict(backward_host_ms=statistics.median(r["backward"]) * 1e3,
                    step_ms=statistics.median(r["step"]) * 1e3) for v, r in runs.items()}
     if cycles:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        torch.cuda._sleep(cycles)
-        b.record()
-        b.synchronize()
-        out["device_wait_ms"] = a.elapsed_time(b)
+        out["device_wait_ms"] = _sleep_ms(cycles)
     return out
 
 

@@ -210,9 +210,7 @@ def gpu() -> str | None:
     out = "\n".join(lines) + "\n"
     step = d / "step.md"
     if step.exists():
-        table = [ln for ln in step.read_text().splitlines() if ln.startswith("|")]
-        first = step.read_text().splitlines()[0]
-        out += f"\n{first}\n\n" + "\n".join(table) + "\n"
+        out += "\n" + _step_table(step.read_text()) + "\n"
     summary = d / "summary.json"
     if summary.exists():
         note = json.loads(summary.read_text()).get("tests_result")
@@ -234,11 +232,15 @@ def _body(name: str) -> str | None:
         return None
     text = _ISSUE_REF.sub("", md.read_text())
     if name.startswith("gpu-") and md.stem == "step":
-        # as gpu() shows the step table: the header and the table (the accounting and the
-        # CPU benchmark's targets do not apply to a one-GPU run)
-        lines = text.splitlines()
-        text = "\n".join([lines[0], ""] + [ln for ln in lines if ln.startswith("|")])
+        text = _step_table(text)  # as gpu() shows it
     return text.rstrip("\n") + "\n"
+
+
+def _step_table(text: str) -> str:
+    """A GPU run's step table: its header line and the table (the accounting and the CPU
+    benchmark's targets do not apply to a one-GPU run)."""
+    lines = text.splitlines()
+    return "\n".join([lines[0], ""] + [ln for ln in lines if ln.startswith("|")])
 
 
 def fill(text: str, names: list[str] | None = None) -> tuple[str, list[str]]:

@@ -30,16 +30,21 @@ CAPS_MB = (0.001, 0.004, 0.1)
 SLEEP_MS = 20.0
 
 
+def sleep_ms(cycles: int) -> float:
+    """Device milliseconds of ``torch.cuda._sleep(cycles)``, timed by CUDA events."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    torch.cuda._sleep(cycles)
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1)
+
+
 def sleep_cycles(ms: float) -> int:
     """Cycles of ``torch.cuda._sleep`` that take about ``ms`` on this device."""
     n = 10_000_000
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(n)  # warm
-    e0.record()
-    torch.cuda._sleep(n)
-    e1.record()
-    e1.synchronize()
-    return int(n * ms / e0.elapsed_time(e1))
+    sleep_ms(n)  # warm
+    return int(n * ms / sleep_ms(n))
 
 
 def main(out_dir: str) -> None:
@@ -49,12 +54,7 @@ def main(out_dir: str) -> None:
                             world_size=1, device_id=torch.device("cuda", 0))
     torch.cuda.set_device(0)
     cycles = sleep_cycles(SLEEP_MS)
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    torch.cuda._sleep(cycles)
-    e1.record()
-    e1.synchronize()
-    sleep_s = e0.elapsed_time(e1) / 1e3
+    sleep_s = sleep_ms(cycles) / 1e3
 
     autotune.BUCKET_CAPS_MB = CAPS_MB
     model = build("mlp").cuda()
