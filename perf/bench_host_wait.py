@@ -39,7 +39,7 @@ OUT = pathlib.Path(__file__).resolve().parent / "results" / "gpu"
 STEPS = 10  # steps per timed run, back to back
 
 
-def _sleep_ms(cycles: int) -> float:
+def sleep_ms(cycles: int) -> float:
     """Device milliseconds of ``torch.cuda._sleep(cycles)``, timed by CUDA events."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -49,18 +49,18 @@ def _sleep_ms(cycles: int) -> float:
     return a.elapsed_time(b)
 
 
-def _sleep_cycles(ms: float) -> int:
+def sleep_cycles(ms: float) -> int:
     """Cycles of ``torch.cuda._sleep`` that take about ``ms`` on this device."""
     n = 10_000_000
-    _sleep_ms(n)  # warm
-    return int(n * ms / _sleep_ms(n))
+    sleep_ms(n)  # warm
+    return int(n * ms / sleep_ms(n))
 
 
 def measure(name: str, device: torch.device, device_ms: float, rounds: int) -> dict:
     import tribucket
 
     cuda = device.type == "cuda"
-    cycles = _sleep_cycles(device_ms) if cuda and device_ms else 0
+    cycles = sleep_cycles(device_ms) if cuda and device_ms else 0
     runs, exits = {}, []
     for variant in ("tribucket", "DDP"):
         model, x = make_model(name)
@@ -104,7 +104,7 @@ def measure(name: str, device: torch.device, device_ms: float, rounds: int) -> d
     out = {v: dict(backward_host_ms=statistics.median(r["backward"]) * 1e3,
                    step_ms=statistics.median(r["step"]) * 1e3) for v, r in runs.items()}
     if cycles:
-        out["device_wait_ms"] = _sleep_ms(cycles)
+        out["device_wait_ms"] = sleep_ms(cycles)
     return out
 
 

@@ -19,7 +19,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "perf")]
+from bench_host_wait import sleep_cycles, sleep_ms  # noqa: E402
 from models import batch, build, loss_of  # noqa: E402
 
 import tribucket  # noqa: E402
@@ -28,23 +30,6 @@ from tribucket.ddp import autotune  # noqa: E402
 #: caps scaled to the test MLP (a few KiB of gradients): several layouts to try
 CAPS_MB = (0.001, 0.004, 0.1)
 SLEEP_MS = 20.0
-
-
-def sleep_ms(cycles: int) -> float:
-    """Device milliseconds of ``torch.cuda._sleep(cycles)``, timed by CUDA events."""
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    torch.cuda._sleep(cycles)
-    e1.record()
-    e1.synchronize()
-    return e0.elapsed_time(e1)
-
-
-def sleep_cycles(ms: float) -> int:
-    """Cycles of ``torch.cuda._sleep`` that take about ``ms`` on this device."""
-    n = 10_000_000
-    sleep_ms(n)  # warm
-    return int(n * ms / sleep_ms(n))
 
 
 def main(out_dir: str) -> None:
