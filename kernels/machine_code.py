@@ -19,7 +19,8 @@ without it; the results are cached on disk keyed by a hash of the kernel sources
 the triton version and the targets, so an unchanged tree costs one file read.
 
 Run ``python -m tribucket.kernels.machine_code [--out FILE]`` to compile everything here
-(what ``compile_all`` does in its subprocess).
+(what ``compile_all`` does in its subprocess), ``--cache`` to fill the cache instead
+(``compile_in_background``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ import torch
 from . import moe as _moe
 from . import pack_triton as _pt
 
-__all__ = ["TARGETS", "MOE_KS", "Spec", "specializations", "compile_all", "count_accesses"]
+__all__ = ["TARGETS", "MOE_KS", "Spec", "specializations", "compile_all", "compile_in_background",
+           "stop_background", "count_accesses"]
 
 #: compute capabilities compiled for: A100 (sm_80) and H100 (sm_90)
 TARGETS = (80, 90)
@@ -344,6 +346,56 @@ def _cache_dir() -> Path:
     return Path(base) / "machine_code"
 
 
+#: compiles filling the disk cache in the background (:func:`compile_in_background`), by
+#: cache file
+_BACKGROUND: dict[Path, subprocess.Popen] = {}
+
+
+def compile_in_background(targets=TARGETS, *, sass: bool = False,
+                          jobs: int | None = None) -> subprocess.Popen | None:
+    """Start filling the disk cache of :func:`compile_all` in a subprocess at the lowest CPU
+    priority (``nice 19``: it takes the cores other work leaves idle) and return at once;
+    ``None`` when the cache already holds these records. A later :func:`compile_all` of the
+    same targets waits for it and reads the cache (and compiles in the foreground, with the
+    error shown, if the background compile failed). The test suite starts it at collection,
+    so the kernels compile while the distributed tests wait on their peers."""
+    targets = tuple(targets)
+    path = _cache_dir() / f"{_cache_key(targets, sass)}.json"
+    if path.exists() or path in _BACKGROUND:
+        return _BACKGROUND.get(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", __name__, "--cache", "--jobs", str(jobs or os.cpu_count() or 1),
+         *(["--sass"] * sass), "--targets", *map(str, targets)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_lowest_priority)
+    _BACKGROUND[path] = proc
+    return proc
+
+
+def _lowest_priority() -> None:
+    """In the child before it runs: nice 19, in a session of its own whose autogroup is nice
+    19 as well. (With autogroups, Linux's default, the scheduler first shares the CPUs out
+    between sessions, nice or not: a process niced in the parent's session would still take
+    half the CPUs from a job started in a new session, as torchrun jobs in the tests are.)"""
+    os.setsid()
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write("19")
+    except OSError:  # no autogroups (or not Linux): the process's own nice is what counts
+        pass
+    os.nice(19)
+
+
+def stop_background() -> None:
+    """Stop background compiles still running (their cache file is never half written)."""
+    while _BACKGROUND:
+        _, proc = _BACKGROUND.popitem()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
 def compile_all(targets=TARGETS, *, sass: bool = False, use_cache: bool = True,
                 jobs: int | None = None) -> list[dict]:
     """One record per (specialization, target), from the disk cache when the kernel sources
@@ -353,6 +405,9 @@ def compile_all(targets=TARGETS, *, sass: bool = False, use_cache: bool = True,
     jobs = jobs or os.cpu_count() or 1
     targets = tuple(targets)
     path = _cache_dir() / f"{_cache_key(targets, sass)}.json"
+    background = _BACKGROUND.pop(path, None)
+    if background is not None:
+        background.wait()  # it writes the cache, or fails and we compile below
     if use_cache and path.exists():
         return json.loads(path.read_text())
     if _pt._interpreting_kernels():
@@ -388,7 +443,12 @@ def _main(argv=None) -> None:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="worker processes (default: the CPU count)")
     ap.add_argument("--sass", action="store_true", help="also count the SASS accesses")
+    ap.add_argument("--cache", action="store_true",
+                    help="fill compile_all's disk cache instead of writing the records")
     args = ap.parse_args(argv)
+    if args.cache:
+        compile_all(args.targets, sass=args.sass, jobs=args.jobs)
+        return
     records = _compile_here(specializations(), args.targets, args.jobs, args.sass)
     text = json.dumps(records)
     if args.out:

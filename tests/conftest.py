@@ -35,8 +35,25 @@ def dist_run():
     return _dist.run
 
 
+def pytest_collection_finish(session):
+    """The machine-code tests compile every kernel specialization for the GPU targets (about a
+    minute of CPU on a fresh machine): start that now, at the lowest priority, so it runs on
+    the cores the distributed tests leave idle while they wait on their peers; the tests'
+    fixture then waits for it (or finds the cache already filled)."""
+    if not any(item.path.name == "test_kernel_compile.py" for item in session.items):
+        return
+    from tribucket import kernels
+
+    if kernels.triton_available():
+        from tribucket.kernels import machine_code
+
+        machine_code.compile_in_background()
+
+
 def pytest_sessionfinish(session, exitstatus):
     _dist.close_all()
+    if "tribucket.kernels.machine_code" in sys.modules:
+        sys.modules["tribucket.kernels.machine_code"].stop_background()
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     passed = len(reporter.stats.get("passed", [])) if reporter else 0
     if exitstatus == 0 and passed == 0:

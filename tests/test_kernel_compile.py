@@ -123,6 +123,29 @@ def test_aligned_moe_rows_move_in_the_widest_access_the_block_allows(records):
     assert checked == 2 * 3 * len(mc.MOE_KS) * 4, checked
 
 
+def test_compile_all_waits_for_the_background_compile_and_reads_its_cache(tmp_path, monkeypatch):
+    """The suite starts the compile at collection (conftest); compile_all must take that
+    compile's records, not start a second one, and must wait for it rather than find no
+    cache and compile in the foreground. A stand-in process writes the cache late."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("TRIBUCKET_CACHE_DIR", str(tmp_path))
+    path = mc._cache_dir() / f"{mc._cache_key((80,), False)}.json"
+    path.parent.mkdir(parents=True)
+    stand_in = [{"label": "written by the background process"}]
+    proc = subprocess.Popen([sys.executable, "-c",
+                             f"import json, time; time.sleep(1.5); "
+                             f"open({str(path)!r}, 'w').write(json.dumps({stand_in!r}))"])
+    monkeypatch.setitem(mc._BACKGROUND, path, proc)
+    monkeypatch.setattr(mc, "_compile_here", lambda *a, **k: pytest.fail("compiled again"))
+    monkeypatch.setattr(mc.subprocess, "run", lambda *a, **k: pytest.fail("compiled again"))
+    assert mc.compile_all((80,)) == stand_in
+    assert proc.poll() == 0 and path not in mc._BACKGROUND
+    # with the cache filled, no background compile is started
+    assert mc.compile_in_background((80,)) is None
+
+
 # -- the specializations compiled are the ones the launchers launch -----------------------
 class _LaunchSpy:
     """Records the constexprs (and the data pointer's dtype) of every launch, then runs it."""
