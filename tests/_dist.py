@@ -22,7 +22,8 @@ Guarantees:
 * results travel with ``torch.save`` (tensors are copied, not shared).
 
 Workers run with one intra-op thread each (this machine has 2 cores) and the environment
-of the parent (``TRITON_INTERPRET`` included).
+of the parent (``TRITON_INTERPRET`` included); they are forked from a fork server that has
+imported torch (:func:`_context`).
 """
 
 from __future__ import annotations
@@ -61,7 +62,11 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker_main(rank: int, world_size: int, init_file: str, log_path: str, tasks, results):
+def _worker_main(rank: int, world_size: int, init_file: str, log_path: str, tasks, results,
+                 environ: dict):
+    # The parent's environment as it is now (a forked worker starts with the fork server's).
+    os.environ.clear()
+    os.environ.update(environ)
     # Everything this rank prints goes to its log; the parent shows the tail on failure.
     log = open(log_path, "a", buffering=1)
     os.dup2(log.fileno(), 1)
@@ -119,13 +124,25 @@ def stall_until_the_others_return(max_s: float) -> float:
     return time.monotonic() - start
 
 
+def _context():
+    """Workers are forked from a fork server that has imported torch once for the session,
+    not spawned (each spawned worker imported torch itself: about 2 s of CPU per worker, and
+    the suite starts a pool for each world size and again after every test that breaks
+    one). They share no state with the test process (the server is a process of its own that
+    ran nothing but the imports), they get the test process's environment and sys.path, and
+    import tribucket and the test modules themselves."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
 class WorkerPool:
     """``world_size`` gloo processes that run module-level functions on every rank."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
         self._dir = tempfile.mkdtemp(prefix=f"tribucket-pool{world_size}-")
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._logs = [os.path.join(self._dir, f"rank{r}.log") for r in range(world_size)]
@@ -133,7 +150,7 @@ class WorkerPool:
         self._procs = [
             ctx.Process(target=_worker_main, name=f"tribucket-rank{r}", daemon=True,
                         args=(r, world_size, init_file, self._logs[r], self._tasks[r],
-                              self._results))
+                              self._results, dict(os.environ)))
             for r in range(world_size)
         ]
         for p in self._procs:

@@ -61,3 +61,24 @@ def test_pool_dead_rank_fails_fast(dist_run):
     # reported as a death, not as the 60 s timeout expiring
     with pytest.raises(_dist.DistTestError, match=r"rank\(s\) 1 \(exit code 3\) died"):
         dist_run(_exit_on_rank1, world_size=2, timeout=60)
+
+
+def _worker_state(name):
+    import sys
+
+    return os.environ.get(name), "tribucket" in sys.modules, os.getpid()
+
+
+def test_pool_workers_get_the_test_process_environment_and_nothing_else(dist_run, monkeypatch):
+    """Workers are forked from a fork server that imported torch when the session's first
+    pool started: each must still get the test process's environment as it is when its pool
+    starts (as a spawned process would), and no module the test process imported since."""
+    _dist.get_pool(2).close()  # the next call starts a pool now, after the change below
+    monkeypatch.setenv("TRIBUCKET_POOL_PROBE", "set after the fork server started")
+    import tribucket  # noqa: F401 - imported here; a worker must import it itself
+
+    got = dist_run(_worker_state, "TRIBUCKET_POOL_PROBE", world_size=2)
+    assert [g[0] for g in got] == ["set after the fork server started"] * 2
+    assert not any(g[1] for g in got), "a worker inherited tribucket from the test process"
+    assert len({g[2] for g in got} | {os.getpid()}) == 3
+    _dist.get_pool(2).close()  # the later tests' workers without the variable
