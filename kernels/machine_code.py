@@ -388,11 +388,17 @@ def _lowest_priority() -> None:
 
 
 def stop_background() -> None:
-    """Stop background compiles still running (their cache file is never half written)."""
+    """Stop background compiles still running, with their worker processes (each leads a
+    session of its own); their cache file is never half written."""
+    import signal
+
     while _BACKGROUND:
         _, proc = _BACKGROUND.popitem()
         if proc.poll() is None:
-            proc.kill()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                proc.kill()
         proc.wait()
 
 
