@@ -116,7 +116,9 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
     times = {k: [] for k in steps}
     stats = {k: [] for k in steps if steps[k][3] is not None}
     for it in range(warmup + rounds):
-        for name in VARIANTS:
+        # every other round in reverse order: each variant has the same mean position in a
+        # round (a step's time depends on what ran just before it)
+        for name in VARIANTS[::-1] if it % 2 else VARIANTS:
             dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -179,7 +181,7 @@ def table(results: list[dict], meta: dict | None = None) -> str:
                   f"{meta.get('backend', 'gloo')} ranks x 1 intra-op thread on a "
                   f"{meta['cpus']}-CPU {meta['machine']} machine, torch {meta['torch']}; median "
                   f"of {meta['rounds']} rounds after {meta['warmup']} warm-up, variants "
-                  f"interleaved{load_s}.", ""]
+                  f"interleaved, every other round in reverse order{load_s}.", ""]
     lines += ["| model | variant | step (ms) | vs local | vs DDP | bucket memory |",
               "| --- | --- | ---: | ---: | ---: | ---: |"]
     for res in results:
