@@ -346,6 +346,17 @@ def _cache_dir() -> Path:
     return Path(base) / "machine_code"
 
 
+def _cache_path(targets, sass) -> Path:
+    return _cache_dir() / f"{_cache_key(targets, sass)}.json"
+
+
+def _compile_command(targets, sass, jobs: int, *mode: str) -> tuple[list[str], dict]:
+    """This module run as a script in a process without ``TRITON_INTERPRET`` (argv, env)."""
+    argv = [sys.executable, "-m", __name__, *mode, "--jobs", str(jobs), *(["--sass"] * sass),
+            "--targets", *map(str, targets)]
+    return argv, dict(os.environ, TRITON_INTERPRET="0")
+
+
 #: compiles filling the disk cache in the background (:func:`compile_in_background`), by
 #: cache file
 _BACKGROUND: dict[Path, subprocess.Popen] = {}
@@ -360,15 +371,13 @@ def compile_in_background(targets=TARGETS, *, sass: bool = False,
     error shown, if the background compile failed). The test suite starts it at collection,
     so the kernels compile while the distributed tests wait on their peers."""
     targets = tuple(targets)
-    path = _cache_dir() / f"{_cache_key(targets, sass)}.json"
+    path = _cache_path(targets, sass)
     if path.exists() or path in _BACKGROUND:
         return _BACKGROUND.get(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", __name__, "--cache", "--jobs", str(jobs or os.cpu_count() or 1),
-         *(["--sass"] * sass), "--targets", *map(str, targets)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_lowest_priority)
+    argv, env = _compile_command(targets, sass, jobs or os.cpu_count() or 1, "--cache")
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=_lowest_priority)
     _BACKGROUND[path] = proc
     return proc
 
@@ -410,22 +419,19 @@ def compile_all(targets=TARGETS, *, sass: bool = False, use_cache: bool = True,
     CPU count). ``sass`` adds the SASS access counts (several times the compile's cost)."""
     jobs = jobs or os.cpu_count() or 1
     targets = tuple(targets)
-    path = _cache_dir() / f"{_cache_key(targets, sass)}.json"
+    path = _cache_path(targets, sass)
     background = _BACKGROUND.pop(path, None)
     if background is not None:
         background.wait()  # it writes the cache, or fails and we compile below
     if use_cache and path.exists():
         return json.loads(path.read_text())
     if _pt._interpreting_kernels():
-        env = dict(os.environ, TRITON_INTERPRET="0")
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(suffix=".json", dir=path.parent, delete=False) as f:
             tmp = f.name
         try:
-            proc = subprocess.run(
-                [sys.executable, "-m", __name__, "--out", tmp, "--jobs", str(jobs),
-                 *(["--sass"] * sass), "--targets", *map(str, targets)],
-                env=env, capture_output=True, text=True)
+            argv, env = _compile_command(targets, sass, jobs, "--out", tmp)
+            proc = subprocess.run(argv, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"compiling the kernels failed (exit {proc.returncode}):\n"
                                    f"{proc.stderr[-4000:]}")

@@ -307,8 +307,10 @@ def external_worker(rank: int, world: int, init_file: str, args, queue) -> None:
     import time
 
     try:
+        from _bench import turn_order
         from _moe_counts import count_step
     except ImportError:  # pragma: no cover - imported as perf._moe_baselines
+        from perf._bench import turn_order
         from perf._moe_counts import count_step
 
     torch.set_num_threads(1)
@@ -373,10 +375,7 @@ def external_worker(rank: int, world: int, init_file: str, args, queue) -> None:
     wall = {name: [] for name in names}
     cpu = {name: [] for name in names}
     for step in range(warmup + steps):
-        # every other step in reverse order: each system's mean position in a step is the
-        # same (a step's time depends on what ran just before it: in a fixed order the
-        # first system measured 1-3% slower than the same code later in the round)
-        for name in names[::-1] if step % 2 else names:
+        for name in turn_order(names, step):
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             if name in systems:

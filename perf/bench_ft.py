@@ -80,6 +80,7 @@ def replica_main(argv: list[str]) -> None:
     import torchft
 
     import tribucket
+    from _bench import turn_order
     from bench_step import make_model
 
     torch.set_num_threads(1)
@@ -139,9 +140,7 @@ def replica_main(argv: list[str]) -> None:
     phases: dict[str, list[list[float]]] = {n: [] for n in VARIANTS}
     committed = {n: 0 for n in VARIANTS}
     for it in range(args.warmup + args.rounds):
-        # every other round in reverse order (the same on every replica group): each variant
-        # has the same mean position in a round, whatever running after another costs
-        for name in VARIANTS[::-1] if it % 2 else VARIANTS:
+        for name in turn_order(VARIANTS, it):  # the same order on every replica group
             t0 = time.perf_counter()
             optims[name].zero_grad()
             before = manager.current_step()

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import bar_plot, close_worker, init_worker, spawn_measure  # noqa: E402
+from _bench import bar_plot, close_worker, init_worker, spawn_measure, turn_order  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 VARIANTS = ["local", "raw allreduce", "tribucket", "tribucket chunked",
@@ -116,9 +116,7 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
     times = {k: [] for k in steps}
     stats = {k: [] for k in steps if steps[k][3] is not None}
     for it in range(warmup + rounds):
-        # every other round in reverse order: each variant has the same mean position in a
-        # round (a step's time depends on what ran just before it)
-        for name in VARIANTS[::-1] if it % 2 else VARIANTS:
+        for name in turn_order(VARIANTS, it):
             dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize()

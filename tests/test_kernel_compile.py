@@ -131,7 +131,7 @@ def test_compile_all_waits_for_the_background_compile_and_reads_its_cache(tmp_pa
     import sys
 
     monkeypatch.setenv("TRIBUCKET_CACHE_DIR", str(tmp_path))
-    path = mc._cache_dir() / f"{mc._cache_key((80,), False)}.json"
+    path = mc._cache_path((80,), False)
     path.parent.mkdir(parents=True)
     stand_in = [{"label": "written by the background process"}]
     proc = subprocess.Popen([sys.executable, "-c",
