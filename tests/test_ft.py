@@ -356,8 +356,58 @@ def _check_wire_and_layout():
 
 def test_buckets_go_through_the_manager_in_the_wire_dtype(dist_run):
     ops = dist_run(_check_wire_and_layout, world_size=1)[0]
-    assert ops[None] == str(dist.ReduceOp.AVG)  # torchft divides by num_participants
-    assert ops["fp16"] == ops["bf16"] == str(dist.ReduceOp.SUM)  # divided before the sum
+    # divided by num_participants() in the pack: the manager only sums
+    assert ops[None] == ops["fp16"] == ops["bf16"] == str(dist.ReduceOp.SUM)
+
+
+class _RecordingManager(FakeManager):
+    """A FakeManager that keeps what each allreduce was handed, before the sum."""
+
+    def __init__(self, participants: int):
+        super().__init__(participants)
+        self.sent: list[torch.Tensor] = []
+
+    def allreduce(self, tensor, should_quantize=False, reduce_op=dist.ReduceOp.AVG):
+        self.sent.append(tensor.detach().clone())
+        return super().allreduce(tensor, should_quantize, reduce_op)
+
+
+def _check_average_fused_in_pack():
+    """The buffer handed to the manager already holds gradient / num_participants() of this
+    step (the division happens in the pack, one pass, no pass of its own), and the manager
+    only sums: the count follows the quorum from step to step."""
+    x = torch.randn(6, 8)
+    ref_model = _mlp()
+    ref_model(x).square().mean().backward()
+    want = _grads(ref_model)
+    out = {}
+    for hook, dtype in ((None, torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        m, model = _RecordingManager(3), _mlp()
+        with tribucket.fused_bucketing(model, manager=m) as red:
+            if hook:
+                red.register_comm_hook(None, getattr(tribucket.hooks, f"{hook}_compress_hook"))
+            (bucket,) = red.layout.buckets
+            for n in (3, 1, 2):  # replica groups leave and join between steps
+                m.n = n
+                model.zero_grad()
+                model(x).square().mean().backward()
+                sent = m.sent[-1]
+                assert sent.dtype == dtype and m.calls[-1][2] == str(dist.ReduceOp.SUM), \
+                    (hook, m.calls[-1])
+                out[(hook, n)] = max(
+                    (sent[off:off + want[i].numel()].float()
+                     - want[i].reshape(-1).mul(1.0 / n).to(dtype).float()).abs().max().item()
+                    for i, off in zip(bucket.indices, bucket.offsets))
+                for g, w in zip(_grads(model), want):
+                    assert torch.allclose(g, w, atol=2e-2 if hook else 1e-6, rtol=2e-2), \
+                        (hook, n, (g - w).abs().max())
+    return out
+
+
+def test_the_average_over_participants_is_fused_into_the_pack(dist_run):
+    errs = dist_run(_check_average_fused_in_pack, world_size=1)[0]
+    for (hook, n), err in errs.items():
+        assert err <= (0 if hook is None else 1e-3), (hook, n, err)
 
 
 def _check_state_travels():

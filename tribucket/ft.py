@@ -9,9 +9,11 @@ with fp16/bf16 fused compression packing straight into the wire buffer the manag
 What each piece does::
 
     manager.start_quorum()          (torchft.Optimizer.zero_grad)  quorum, maybe heal
-    forward / backward              bucket complete -> pack -> manager.allreduce(wire buffer)
-    end of backward                 wait the futures -> unpack: .grad = average over the
-                                    participating replica groups (num_participants())
+    first gradient of backward      num_participants(): the pack divides by it
+    forward / backward              bucket complete -> pack (/ participants) ->
+                                    manager.allreduce(wire buffer, SUM)
+    end of backward                 wait the futures -> .grad = average over the
+                                    participating replica groups
     manager.should_commit()         (torchft.Optimizer.step)  False on every replica group
                                     when a peer failed during the step: the step is dropped
 
@@ -133,9 +135,12 @@ def _refuse(module: nn.Module, process_group, options: dict) -> None:
 
 
 class _ManagerAllreduce:
-    """The bucket's collective: ``manager.allreduce`` of the packed wire buffer, averaged
-    over the replica groups of this step's quorum. Returns a future at once (the overlap
-    with backward stays); errors are swallowed by the manager, which then makes
+    """The bucket's collective: ``manager.allreduce`` of the packed wire buffer, a sum over
+    the replica groups of this step's quorum. The pack already divided each gradient by
+    ``num_participants()`` (:func:`_participants`, the reducer's divisor), as it divides by
+    the world size without a manager: no pass over the bucket of its own, and for fp16/bf16
+    the sum on the wire stays within its largest term. Returns a future at once (the
+    overlap with backward stays); errors are swallowed by the manager, which then makes
     ``should_commit()`` return False on every replica group."""
 
     __slots__ = ("manager",)
@@ -146,16 +151,13 @@ class _ManagerAllreduce:
     def __call__(self, buf: torch.Tensor) -> torch.futures.Future:
         from torch.distributed import ReduceOp
 
-        m = self.manager
-        if buf.dtype in (torch.float32, torch.float64):
-            # torchft's average: sum, then divide by num_participants() (as torchft's DDP)
-            work = m.allreduce(buf)
-        else:
-            # fused fp16/bf16: divide before the sum, so the sum on the wire stays within
-            # the largest term (tribucket's fp16 hook divides before the cast likewise)
-            buf.mul_(1.0 / max(m.num_participants(), 1))
-            work = m.allreduce(buf, reduce_op=ReduceOp.SUM)
-        return _completed_by_waiter(work, buf)
+        return _completed_by_waiter(self.manager.allreduce(buf, reduce_op=ReduceOp.SUM), buf)
+
+
+def _participants(manager: Any) -> Callable[[], int]:
+    """The count a pass divides by: the replica groups of this step's quorum (waits for the
+    quorum, which ``start_quorum`` began at ``zero_grad``; 1 before any quorum)."""
+    return lambda: max(manager.num_participants(), 1)
 
 
 # torchft's work builds its callback chain (the division, the error handling, the timeout)
@@ -201,6 +203,7 @@ class ManagedReducer(Reducer):
         try:
             self.manager = manager
             self._comm.collective = _ManagerAllreduce(manager)
+            self._comm.divisor = _participants(manager)
             self._fix_layout()
             slot = getattr(manager, "_tribucket_state_slot", None)
             if slot is None:

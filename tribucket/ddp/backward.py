@@ -200,8 +200,12 @@ class Backward:
         if self.comm.tracer is not None:
             self.comm.tracer.next_step(p.iteration)
         work, self.join_work = self.join_work, None
-        p.scale = (1.0 / self.join_flags.divisor(work, self.world_size, self.passes)
-                   if self.comm.traits.prescale else 1.0)
+        if not self.comm.traits.prescale:
+            p.scale = 1.0
+        elif self.comm.divisor is not None:
+            p.scale = 1.0 / self.comm.divisor()
+        else:
+            p.scale = 1.0 / self.join_flags.divisor(work, self.world_size, self.passes)
         self.epilogue.reset()  # the figures of the last backward are void
         cfg = self.config
         p.record_order = (self.policy.may_rebuild(self.rebuilt)

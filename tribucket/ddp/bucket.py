@@ -59,6 +59,10 @@ class Comm:
     #: replaces the averaging allreduce (default, allreduce/fp16/bf16 hooks): called with
     #: the packed wire buffer, returns a Future of the averaged buffer (tribucket/ft.py)
     collective: Callable | None = None
+    #: with ``collective``: the count a pass averages over, in place of the world size,
+    #: asked when the pass's first gradient arrives and fused into the pack (a torchft
+    #: quorum's participants, which change from step to step)
+    divisor: Callable[[], int] | None = None
     #: the run's ``tribucket.trace.Tracer`` (None: tracing off, one check per bucket)
     tracer: Any = None
 
