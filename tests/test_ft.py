@@ -327,7 +327,7 @@ def _check_wire_and_layout():
     for hook, dtype, tol in ((None, torch.float32, 0), ("fp16", torch.float16, 2e-3),
                              ("bf16", torch.bfloat16, 2e-2)):
         m, model = FakeManager(), _mlp()
-        with tribucket.fused_bucketing(model, manager=m, bucket_cap_mb=0.0005) as red:
+        with tribucket.fused_bucketing(model, manager=m, bucket_cap_mb=0.0002) as red:
             if hook:
                 red.register_comm_hook(None, getattr(tribucket.hooks, f"{hook}_compress_hook"))
             fixed = red.fixed_layout().to_tensor().tolist()
@@ -408,6 +408,28 @@ def test_the_average_over_participants_is_fused_into_the_pack(dist_run):
     errs = dist_run(_check_average_fused_in_pack, world_size=1)[0]
     for (hook, n), err in errs.items():
         assert err <= (0 if hook is None else 1e-3), (hook, n, err)
+
+
+def _check_layout_walks_reverse_parameter_order():
+    """The fixed layout is filled in reverse parameter order, the order backward produces
+    gradients in: every bucket but the last reaches the cap, and the last one (sent when
+    backward is over, overlapping nothing) holds the remainder."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(10)])  # 4224 B a layer
+    cap_mb = 3 * 4224 / 2**20  # three layers' worth: buckets of 3, 3, 3 and 1 layers
+    with tribucket.fused_bucketing(model, manager=FakeManager(), bucket_cap_mb=cap_mb,
+                                   first_bucket_cap_mb=cap_mb) as red:
+        buckets = red.fixed_layout().buckets
+        sizes = [b.numel * 4 for b in buckets]
+        walk = [i for b in buckets for i in b.indices]
+        assert red.layout.to_tensor().tolist() == red.fixed_layout().to_tensor().tolist()
+    return sizes, walk
+
+
+def test_fixed_layout_walks_reverse_parameter_order(dist_run):
+    sizes, walk = dist_run(_check_layout_walks_reverse_parameter_order, world_size=1)[0]
+    assert walk == list(range(19, -1, -1)), walk
+    assert sizes == [3 * 4224] * 3 + [4224], sizes
 
 
 def _check_state_travels():

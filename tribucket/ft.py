@@ -20,8 +20,8 @@ What each piece does::
 Layout: a replica group that joins late must build the buckets the live ones use without
 having seen their gradient-ready order, and replica groups never exchange that order (each
 one's rank 0 would decide its own). So a managed reducer never rebuilds: from the first step
-it uses the size-capped layout in reverse parameter order (DDP's initial guess), computed
-from the parameters alone, the same on every replica group. The layout still travels in
+it uses size-capped buckets filled in reverse parameter order (the order backward usually
+produces gradients in), computed from the parameters alone, the same on every replica group. The layout still travels in
 the reducer's state (``reducer.state_dict()``) and a recovering replica checks it.
 
 Live recovery: entering registers the reducer's ``state_dict``/``load_state_dict`` with the
@@ -218,11 +218,16 @@ class ManagedReducer(Reducer):
             raise
 
     def fixed_layout(self):
-        """The layout every replica group uses: the size-capped one in reverse parameter
-        order, from the parameters alone (a managed reducer never rebuilds)."""
+        """The layout every replica group uses, from the parameters alone (a managed reducer
+        never rebuilds): size-capped buckets filled in reverse parameter order, the order
+        backward usually produces gradients in, as a rebuild in that order would lay them.
+        So the bucket sent last, which nothing overlaps, holds the remainder. (DDP's initial
+        guess fills in parameter order and reverses the buckets, which puts the remainder
+        first and a full bucket last.)"""
         policy = LayoutPolicy(self.config, self._params, [False] * len(self._params))
         return compute_layout(self._params, bucket_cap_bytes=self.config.bucket_cap_bytes,
                               first_bucket_cap_bytes=policy.first_cap_bytes(),
+                              order=range(len(self._params) - 1, -1, -1),
                               align_bytes=DDP_ALIGN_BYTES)
 
     def _fix_layout(self) -> None:
