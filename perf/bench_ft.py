@@ -145,12 +145,14 @@ def replica_main(argv: list[str]) -> None:
             optims[name].zero_grad()
             before = manager.current_step()
             t1 = time.perf_counter()
-            nets[name](x).float().square().mean().backward()
+            loss = nets[name](x).float().square().mean()
+            tf = time.perf_counter()
+            loss.backward()
             t2 = time.perf_counter()
             optims[name].step()
             dt = time.perf_counter() - t0
-            if it >= args.warmup:  # zero_grad (starts the quorum), forward+backward, step
-                phases[name].append([t1 - t0, t2 - t1, t0 + dt - t2])
+            if it >= args.warmup:  # zero_grad (starts the quorum), forward, backward, step
+                phases[name].append([t1 - t0, tf - t1, t2 - tf, t0 + dt - t2])
             committed[name] += (manager.current_step() == before + 1
                                 if name in FT_VARIANTS else 1)
             if it >= args.warmup:
@@ -317,7 +319,7 @@ def markdown(res: dict) -> str:
         ph = r.get("phase_median_s")
         if ph:
             lines += ["", f"{r['model']}, medians per phase (zero_grad, which starts the "
-                      "quorum / forward + backward / optimizer step, which asks "
+                      "quorum / forward / backward / optimizer step, which asks "
                       "should_commit): " + "; ".join(
                           f"{n} " + " / ".join(f"{v * 1e3:.1f}" for v in ph[n]) + " ms"
                           for n in VARIANTS if n in ph)]
