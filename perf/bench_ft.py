@@ -3,9 +3,9 @@ against ``torchft.DistributedDataParallel`` (the baseline a torchft user picks),
 groups of one process each (gloo, one intra-op thread), one Lighthouse, in one run.
 
 (a) Step time. Each replica group builds the model of ``bench_step`` (the 64 x Linear(256,
-    256) MLP, or the 6-layer transformer) three times and trains them in turn, one step of
-    each per round, through the same manager (every step is a quorum, the averaging, a
-    ``should_commit``):
+    256) MLP, or the 6-layer transformer) once per variant and trains them in turn, one step
+    of each per round, the torchft ones through the same manager (every step is a quorum, the
+    averaging, a ``should_commit``):
 
     * ``torchft DDP``               ``torchft.DistributedDataParallel`` + ``torchft.Optimizer``
     * ``tribucket+torchft``         ``fused_bucketing(model, manager=manager)`` + ``torchft.Optimizer``
@@ -13,6 +13,13 @@ groups of one process each (gloo, one intra-op thread), one Lighthouse, in one r
     * ``tribucket``                 plain ``fused_bucketing(model)`` over a 2-process gloo
                                     group spanning the replica groups, no torchft (what the
                                     fault tolerance costs)
+
+    and two references, whose gradients are not averaged: what torchft's per-step protocol
+    costs by itself, apart from any allreduce:
+
+    * ``no allreduce, torchft quorum``  the model alone + ``torchft.Optimizer`` (a quorum
+                                        started at ``zero_grad``, ``should_commit`` at ``step``)
+    * ``no allreduce``                  the model alone + its optimizer
 
     The figure is the median over rounds after warm-up of replica group 0's step time (from
     ``zero_grad``, which starts the quorum, to the end of ``step``, which asks
@@ -58,9 +65,12 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 RESULTS = HERE / "results"
-VARIANTS = ["torchft DDP", "tribucket+torchft", "tribucket+torchft fp16", "tribucket"]
-#: the variants through the torchft manager (the last one is plain tribucket: no torchft)
-FT_VARIANTS = VARIANTS[:3]
+VARIANTS = ["torchft DDP", "tribucket+torchft", "tribucket+torchft fp16", "tribucket",
+            "no allreduce, torchft quorum", "no allreduce"]
+#: the variants through the torchft manager (a quorum and should_commit every step)
+FT_VARIANTS = VARIANTS[:3] + ["no allreduce, torchft quorum"]
+#: the variants whose gradients are averaged by a tribucket reducer
+TRIBUCKET_VARIANTS = VARIANTS[1:4]
 
 
 # ------------------------------------------------------------------ one replica group
@@ -123,13 +133,15 @@ def replica_main(argv: list[str]) -> None:
     nets = {"torchft DDP": torchft.DistributedDataParallel(manager, models["torchft DDP"])}
     reducers = []
     for name in VARIANTS[1:]:
+        nets[name] = models[name]
+        if name not in TRIBUCKET_VARIANTS:  # the references: each replica group's own model
+            continue
         if name in FT_VARIANTS:
             reducers.append(tribucket.fused_bucketing(models[name], own, manager=manager))
         else:  # plain tribucket across the 2 processes, no torchft
             reducers.append(tribucket.fused_bucketing(models[name]))
         if name.endswith("fp16"):
             reducers[-1].register_comm_hook(None, tribucket.hooks.fp16_compress_hook)
-        nets[name] = models[name]
     optims = {n: torchft.Optimizer(manager, opts[n]) if n in FT_VARIANTS else opts[n]
               for n in VARIANTS}
     emit(event="start")
@@ -381,7 +393,8 @@ def plot(res: dict, path: pathlib.Path) -> None:
     for k, n in enumerate(VARIANTS):
         ax.bar([i + k * width for i in range(len(rows))],
                [r["median_s"].get(n, 0.0) * 1e3 for r in rows], width, label=n)
-    ax.set_xticks([i + width for i in range(len(rows))], [r["model"] for r in rows])
+    ax.set_xticks([i + width * (len(VARIANTS) - 1) / 2 for i in range(len(rows))],
+                  [r["model"] for r in rows])
     ax.set_ylabel("ms / step (median)")
     ax.set_title("2 replica groups on torchft (gloo, CPU)")
     ax.legend(fontsize=8)
