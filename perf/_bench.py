@@ -93,14 +93,14 @@ def turn_order(names: list, round_index: int) -> list:
 
 
 def round_robin(run: Callable[[str], None], names: list[str], rounds: int,
-                warmup: int, alternate: bool = False) -> dict[str, list[float]]:
+                warmup: int) -> dict[str, list[float]]:
     """Seconds per step of each variant: one step of each per round (so drift in machine
-    load hits all alike), every step starting together on every rank. ``alternate``: every
-    other round in reverse order, so that each variant's mean position in a round is the
-    same (a step's time can depend on which variant ran before it)."""
+    load hits all alike), every step starting together on every rank, every other round in
+    reverse order, so that each variant's mean position in a round is the same (a step's
+    time can depend on which variant ran before it)."""
     times: dict[str, list[float]] = {k: [] for k in names}
     for it in range(warmup + rounds):
-        for name in turn_order(names, it) if alternate else names:
+        for name in turn_order(names, it):
             dist.barrier()
             t0 = time.perf_counter()
             run(name)

@@ -102,7 +102,7 @@ def _worker(rank: int, world: int, port: int, model_name: str, rounds: int, warm
             n += 1
         tuning[name] = dict(steps=n, seconds=time.perf_counter() - t0,
                             **steps[name][3].logging_data())
-    times = round_robin(run, variants, rounds, warmup, alternate=True)
+    times = round_robin(run, variants, rounds, warmup)
     if rank == 0:
         model = steps[variants[0]][0]
         out = {

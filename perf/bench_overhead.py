@@ -166,7 +166,8 @@ def table(results: list[dict], meta: dict) -> str:
     lines = [f"Host cost per parameter: `zero_grad` + forward + backward of `sum(model(x)**2)`, "
              f"2 gloo ranks x 1 intra-op thread on a {meta['cpus']}-CPU {meta['machine']} "
              f"machine, torch {meta['torch']}; median of {meta['rounds']} rounds after "
-             f"{meta['warmup']} warm-up, variants interleaved{_repeats(meta)}; 1-min load "
+             f"{meta['warmup']} warm-up, variants interleaved (every other round in reverse "
+             f"order){_repeats(meta)}; 1-min load "
              f"average {load[0]:.2f} at the start, {meta['loadavg_end'][0]:.2f} at the end.", "",
              "| model | tensors | local (ms) | no-op hook | DDP | DDP view | tribucket | "
              "tribucket / DDP | tribucket / DDP view | us per parameter over local: "

@@ -19,7 +19,8 @@ sampled after each gradient hook, after backward, after the step and after ``zer
 one steady-state iteration; "peak" is the largest sample, "kept" the one after ``zero_grad``
 (what stays between steps). Parameters and activations, equal in all variants, are not
 counted. Step time (``zero_grad`` + forward + backward + step) is the median over rounds of
-rank 0, variants interleaved round-robin so load drift hits all alike.
+rank 0, variants interleaved round-robin so load drift hits all alike, every other round in
+reverse order.
 
     python perf/bench_zero.py                       # writes perf/results/zero.{json,md,png}
     python perf/bench_zero.py --rounds 5 --worlds 2 # quicker
@@ -169,7 +170,8 @@ def table(results: list[dict], meta: dict) -> str:
     load = meta["loadavg"]
     lines = [f"AdamW training step, gloo ranks x 1 intra-op thread on a {meta['cpus']}-CPU "
              f"{meta['machine']} machine, torch {meta['torch']}; step: median of "
-             f"{meta['rounds']} rounds after {meta['warmup']} warm-up, variants interleaved; "
+             f"{meta['rounds']} rounds after {meta['warmup']} warm-up, variants interleaved (every "
+             "other round in reverse order); "
              f"1-min load average {load[0]:.2f} at the start, {meta['load_end'][0]:.2f} at "
              "the end. Memory: optimizer state + gradients per rank (the largest rank), "
              "peak over one step and kept between steps.", "",

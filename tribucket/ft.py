@@ -21,8 +21,9 @@ Layout: a replica group that joins late must build the buckets the live ones use
 having seen their gradient-ready order, and replica groups never exchange that order (each
 one's rank 0 would decide its own). So a managed reducer never rebuilds: from the first step
 it uses size-capped buckets filled in reverse parameter order (the order backward usually
-produces gradients in), computed from the parameters alone, the same on every replica group. The layout still travels in
-the reducer's state (``reducer.state_dict()``) and a recovering replica checks it.
+produces gradients in), computed from the parameters alone, the same on every replica
+group. The layout still travels in the reducer's state (``reducer.state_dict()``) and a
+recovering replica checks it.
 
 Live recovery: entering registers the reducer's ``state_dict``/``load_state_dict`` with the
 manager (``manager.register_state_dict_fn("tribucket_reducer", ...)``), so the reducer's
