@@ -161,9 +161,9 @@ def _participants(manager: Any) -> Callable[[], int]:
     return lambda: max(manager.num_participants(), 1)
 
 
-# torchft's work builds its callback chain (the division, the error handling, the timeout)
-# lazily, when wait() is called, and only wait() after the collective completed runs that
-# chain correctly (chaining it while the collective is in flight fails in torchft 0.2.0's
+# torchft's work builds its callback chain (the error handling, the timeout) lazily, when
+# wait() is called, and only wait() after the collective completed runs that chain
+# correctly (chaining it while the collective is in flight fails in torchft 0.2.0's
 # _ManagedWork). So the works are waited on by tribucket's waiter thread, in launch order,
 # which completes a plain torch Future with the bucket: the backward pass never waits, and
 # the reducer waits for these futures at the end of backward as for any comm hook's.
