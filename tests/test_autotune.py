@@ -256,6 +256,13 @@ def test_on_a_gpu_the_device_span_is_measured_not_the_hosts(dist_run):
     (dict(first_bucket_cap_mb="auto", shard_optimizer=True), "first_bucket_cap_mb='auto'"),
     (dict(bucket_cap_mb="auto", find_unused_parameters=True), "find_unused_parameters"),
     (dict(bucket_cap_mb="fast"), "positive number of MiB or 'auto'"),
+    (dict(bucket_cap_mb_list=[]), "bucket_cap_mb_list.*non-empty"),
+    (dict(bucket_cap_mb_list=[1, -2]), r"bucket_cap_mb_list\[1\].*positive"),
+    (dict(bucket_cap_mb_list=[1, True]), r"bucket_cap_mb_list\[1\].*positive"),
+    (dict(bucket_cap_mb_list="25"), "bucket_cap_mb_list.*list"),
+    (dict(bucket_cap_mb_list=[1, 2], bucket_cap_mb=25), "bucket_cap_mb_list.*bucket_cap_mb"),
+    (dict(bucket_cap_mb_list=[1, 2], first_bucket_cap_mb=1), "first_bucket_cap_mb"),
+    (dict(bucket_cap_mb_list=[1, 2], bucket_cap_mb="auto"), "bucket_cap_mb"),
 ])
 def test_refused_options(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -241,6 +241,11 @@ _LOGGING_CASES = [
     ("branchy_static", dict(find_unused_parameters=True, bucket_cap_mb=0.0005),
      default_hooks.allreduce_hook),
     ("bn", dict(static_graph=True), None),
+    # one cap per bucket, the last repeating (DDP's bucket_cap_mb_list): the initial layout
+    # and the rebuild both follow the list
+    ("mlp", dict(bucket_cap_mb_list=[0.001, 0.003]), None),
+    ("branchy_static", dict(find_unused_parameters=True, bucket_cap_mb_list=[0.0005, 0.001]),
+     None),
 ]
 # fields whose value must equal DDP's once its (one-iteration-late) logging has caught up
 _SAME_AS_DDP = ["world_size", "rank", "module_name", "backend_name", "num_parameter_tensors",

@@ -423,13 +423,18 @@ def _check_layout_walks_reverse_parameter_order():
         sizes = [b.numel * 4 for b in buckets]
         walk = [i for b in buckets for i in b.indices]
         assert red.layout.to_tensor().tolist() == red.fixed_layout().to_tensor().tolist()
-    return sizes, walk
+    # one cap per bucket (DDP's bucket_cap_mb_list): one layer, then two, then two...
+    with tribucket.fused_bucketing(model, manager=FakeManager(),
+                                   bucket_cap_mb_list=[4224 / 2**20, 2 * 4224 / 2**20]) as red:
+        listed = [b.numel * 4 for b in red.layout.buckets]
+    return sizes, walk, listed
 
 
 def test_fixed_layout_walks_reverse_parameter_order(dist_run):
-    sizes, walk = dist_run(_check_layout_walks_reverse_parameter_order, world_size=1)[0]
+    sizes, walk, listed = dist_run(_check_layout_walks_reverse_parameter_order, world_size=1)[0]
     assert walk == list(range(19, -1, -1)), walk
     assert sizes == [3 * 4224] * 3 + [4224], sizes
+    assert listed == [4224] + [2 * 4224] * 4 + [4224], listed
 
 
 def _check_state_travels():

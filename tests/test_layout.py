@@ -18,11 +18,12 @@ def _materialize(specs):
     return [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in specs]
 
 
-def _torch_assignment(tensors, cap, first, sparse, order):
-    """What torch DDP computes, in the order DDP reduces the buckets."""
+def _torch_assignment(tensors, cap, first, sparse, order, cap_list=None):
+    """What torch DDP computes, in the order DDP reduces the buckets (``cap_list``: DDP's
+    ``bucket_cap_mb_list`` in bytes, its caps in place of ``first`` and ``cap``)."""
     if not tensors:
         return []  # torch's function asserts on an empty list
-    limits = [cap if first is None else first, cap]
+    limits = list(cap_list) if cap_list else [cap if first is None else first, cap]
     sparse = [False] * len(tensors) if sparse is None else list(sparse)
     if order is None:
         groups, _ = dist._compute_bucket_assignment_by_size(tensors, limits, sparse)
@@ -36,8 +37,31 @@ def _torch_assignment(tensors, cap, first, sparse, order):
 def test_grouping_equals_torch(case):
     kw = case.kwargs
     expected = _torch_assignment(_materialize(case.tensors), kw["bucket_cap_bytes"],
-                                 kw["first_bucket_cap_bytes"], kw["expect_sparse"], kw["order"])
+                                 kw["first_bucket_cap_bytes"], kw["expect_sparse"], kw["order"],
+                                 kw.get("bucket_cap_bytes_list"))
     assert case.layout.bucket_indices() == expected
+
+
+@settings(max_examples=200)
+@given(tensor_spec_lists(max_size=30), st.lists(st.integers(1, 8192), min_size=1, max_size=5),
+       st.data())
+def test_cap_lists_equal_torch(specs, caps, data):
+    """One cap per bucket, the last repeating (DDP's ``bucket_cap_mb_list``), in definition
+    order and in a ready order: torch's buckets, and every invariant."""
+    n = len(specs)
+    order = data.draw(st.one_of(st.none(), st.permutations(range(n))))
+    kwargs = dict(bucket_cap_bytes_list=caps, order=order, align_bytes=16)
+    layout = compute_layout(specs, **kwargs)
+    assert layout.bucket_indices() == _torch_assignment(_materialize(specs), None, None, None,
+                                                        order, caps)
+    check_layout(layout, specs, **kwargs)
+
+
+def test_cap_list_is_checked():
+    ts = [TensorSpec((4,))]
+    for bad in ([], [0], [16, -1], [1.5], (True,)):
+        with pytest.raises(ValueError, match="bucket_cap_bytes_list"):
+            compute_layout(ts, bucket_cap_bytes_list=bad)
 
 
 @given(layouts())

@@ -259,7 +259,6 @@ def _constructor_errors():
         "delay_all_reduce_named_params": dict(delay_all_reduce_named_params=[],
                                               param_to_hook_all_reduce=model.head.weight),
         "skip_all_reduce_unused_params": dict(skip_all_reduce_unused_params=True),
-        "bucket_cap_mb_list": dict(bucket_cap_mb_list=[1, 2]),
         "device_ids": dict(device_ids=[0]),
         "no_such_option": dict(no_such_option=1),
     }
@@ -287,7 +286,7 @@ def _constructor_errors():
 def test_ddp_keywords_are_accepted_or_refused_by_name(dist_run):
     out = dist_run(_constructor_errors)[0]
     for name in ("mixed_precision", "delay_all_reduce_named_params",
-                 "skip_all_reduce_unused_params", "bucket_cap_mb_list", "device_ids"):
+                 "skip_all_reduce_unused_params", "device_ids"):
         kind, msg = out[name]
         assert kind == "ValueError" and name in msg, (name, msg)
     kind, msg = out["no_such_option"]
@@ -295,6 +294,52 @@ def test_ddp_keywords_are_accepted_or_refused_by_name(dist_run):
     assert len(out["frozen"]) == 2
     assert all("doesn't have any parameter that requires a gradient" in m for m in out["frozen"])
     assert any("check_reduction" in m for m in out["check_reduction"])
+
+
+def _cap_list_vs_ddp():
+    """``bucket_cap_mb_list`` as DDP's: one cap per bucket (the last repeating) for the
+    initial buckets and the rebuild, ``bucket_cap_mb`` ignored beside it, the caps in bytes
+    as ``bucket_bytes_cap_list`` and their largest as ``bucket_bytes_cap``; gradients equal
+    DDP's; torch.save keeps the list."""
+    import io
+
+    rank = dist.get_rank()
+    caps = [0.001, 0.003]
+    ours = tribucket.DistributedDataParallel(build("mlp"), bucket_cap_mb=7,
+                                             bucket_cap_mb_list=caps)
+    theirs = DDP(build("mlp"), bucket_cap_mb=7, bucket_cap_mb_list=caps)
+    plain = tribucket.DistributedDataParallel(build("bn"))
+    out = dict(attrs=[(m.bucket_bytes_cap_list, m.bucket_bytes_cap) for m in (ours, theirs)],
+               plain=(plain.bucket_bytes_cap_list, DDP(build("bn")).bucket_bytes_cap_list))
+    plain.close()
+    for step in range(3):
+        for m in (ours, theirs):
+            m.zero_grad()
+            loss_of(m(batch("mlp", rank, step))).backward()
+        for a, b in zip(ours.parameters(), theirs.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    data = [m._get_ddp_logging_data() for m in (ours, theirs)]
+    out["layouts"] = [[d.get(k) for k in ("bucket_sizes", "rebuilt_bucket_sizes",
+                                           "rebuilt_per_bucket_param_indices")] for d in data]
+    buf = io.BytesIO()
+    torch.save(ours, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    out["loaded"] = loaded.bucket_bytes_cap_list
+    ours.close()
+    loaded.close()
+    return out
+
+
+def test_bucket_cap_mb_list_as_ddp(dist_run):
+    for out in dist_run(_cap_list_vs_ddp):
+        want = [int(0.001 * 2**20), int(0.003 * 2**20)]
+        assert out["attrs"][0] == out["attrs"][1] == (want, max(want))
+        assert out["plain"] == ([], [])
+        ours, theirs = out["layouts"]
+        assert ours == theirs and ours[1] is not None, (ours, theirs)  # rebuilt, as DDP's
+        assert len(ours[1].split(",")) > 2, "the small caps give several buckets"
+        assert out["loaded"] == want
 
 
 # ---------------------------------------------------------------- torch.save of the wrapper

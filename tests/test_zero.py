@@ -117,7 +117,7 @@ def _step_both(opt, ref, mine, theirs, tol, step, check=True):
 
 
 def _train(cls=torch.optim.AdamW, steps=10, bf16=False, branch=False, clip=0.0,
-           no_sync_every=0, opt_kw=None, cap=CAP, overlap=False):
+           no_sync_every=0, opt_kw=None, cap=CAP, overlap=False, cap_list=None):
     """Train the same model with ShardedOptimizer and with DDP + ``cls``; compare each step.
     Returns the final parameters and some facts about the run."""
     rank = dist.get_rank()
@@ -127,8 +127,9 @@ def _train(cls=torch.optim.AdamW, steps=10, bf16=False, branch=False, clip=0.0,
     ddp = DDP(theirs, find_unused_parameters=branch)  # broadcasts rank 0's parameters
     tol = dict(rtol=2e-2, atol=2e-3) if bf16 else FP32
     clipped = 0
-    with tribucket.fused_bucketing(mine, shard_optimizer=True, bucket_cap_mb=cap,
-                                   find_unused_parameters=branch) as reducer:
+    caps = dict(bucket_cap_mb_list=cap_list) if cap_list else dict(bucket_cap_mb=cap)
+    with tribucket.fused_bucketing(mine, shard_optimizer=True, find_unused_parameters=branch,
+                                   **caps) as reducer:
         opt = ShardedOptimizer(reducer, cls, _groups(mine), overlap_param_gather=overlap,
                                **opt_kw)
         ref = _MasterReference(theirs, cls, _groups(theirs), **opt_kw)
@@ -173,6 +174,7 @@ CASES = [
     dict(cls=torch.optim.AdamW, bf16=True, clip=0.05),
     dict(cls=torch.optim.AdamW, branch=True, steps=12),
     dict(cls=torch.optim.AdamW, overlap=True, no_sync_every=4),
+    dict(cls=torch.optim.AdamW, steps=4, cap_list=[CAP / 4, CAP]),  # one cap per bucket
 ]
 
 

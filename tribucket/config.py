@@ -56,6 +56,11 @@ class ReducerConfig:
     #: (see ``ddp.rebuild.LayoutPolicy.first_cap_bytes``); ``"auto"``: measured, as
     #: ``bucket_cap_mb="auto"``
     first_bucket_cap_mb: float | str | None = None
+    #: one cap in MiB per bucket of each (dtype, device), in the order the buckets fill
+    #: (the first is the first bucket's), the last one repeating: DDP's
+    #: ``bucket_cap_mb_list``, for the initial layout and for the rebuild; in place of
+    #: ``bucket_cap_mb`` and ``first_bucket_cap_mb`` (leave them unset)
+    bucket_cap_mb_list: tuple | None = None
     #: make each ``.grad`` a view into its bucket: no copies in or out, as DDP's option
     gradient_as_bucket_view: bool = False
     #: search the autograd graph after each forward for parameters that will get no
@@ -118,6 +123,8 @@ class ReducerConfig:
     trace: Any = None
 
     def __post_init__(self) -> None:
+        if self.bucket_cap_mb_list is not None:
+            self._check_cap_list()
         if self.bucket_cap_mb != AUTO:
             _positive_mb("bucket_cap_mb", self.bucket_cap_mb, auto=True)
         if self.first_bucket_cap_mb != AUTO:
@@ -154,6 +161,25 @@ class ReducerConfig:
             if self.timeout.total_seconds() <= 0:
                 raise ValueError(f"timeout must be positive, got {self.timeout}")
 
+    def _check_cap_list(self) -> None:
+        caps = self.bucket_cap_mb_list
+        if isinstance(caps, (str, bytes)) or not hasattr(caps, "__iter__"):
+            raise ValueError(f"bucket_cap_mb_list must be a list of positive numbers of MiB "
+                             f"(one cap per bucket), got {caps!r}")
+        caps = tuple(caps)
+        if not caps:
+            raise ValueError("bucket_cap_mb_list must be a non-empty list of MiB (one cap per "
+                             "bucket, the last repeating), got an empty one; leave it None "
+                             "for the default caps")
+        for k, mb in enumerate(caps):
+            _positive_mb(f"bucket_cap_mb_list[{k}]", mb)
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"bucket_cap_mb_list={list(caps)!r} gives every bucket's cap, "
+                                 f"the first's included, and cannot be combined with "
+                                 f"{name}={getattr(self, name)!r}: leave {name} unset")
+        object.__setattr__(self, "bucket_cap_mb_list", caps)
+
     @property
     def autotune(self) -> bool:
         """A cap is ``"auto"``: the caps are measured after the rebuild (``ddp/autotune.py``)."""
@@ -187,7 +213,18 @@ class ReducerConfig:
         return self.find_unused_parameters or self.static_graph
 
     @property
+    def bucket_cap_bytes_list(self) -> list[int] | None:
+        """``bucket_cap_mb_list`` in bytes (``int(mb * 2**20)`` each, as DDP), or None."""
+        if self.bucket_cap_mb_list is None:
+            return None
+        return [int(mb * MiB) for mb in self.bucket_cap_mb_list]
+
+    @property
     def bucket_cap_bytes(self) -> int:
+        """The bucket cap in bytes (with ``bucket_cap_mb_list``: its largest, as DDP's
+        ``bucket_bytes_cap``)."""
+        if self.bucket_cap_mb_list is not None:
+            return max(self.bucket_cap_bytes_list)
         mb = self.bucket_cap_mb
         if mb is None or mb == AUTO:  # "auto": the cap until it is measured
             mb = DEFAULT_SHARD_BUCKET_CAP_MB if self.shard_optimizer else DEFAULT_BUCKET_CAP_MB
@@ -195,6 +232,8 @@ class ReducerConfig:
 
     @property
     def first_bucket_cap_bytes(self) -> int:
+        if self.bucket_cap_mb_list is not None:
+            return self.bucket_cap_bytes_list[0]
         if self.first_bucket_cap_mb == AUTO:
             return self.bucket_cap_bytes  # until it is measured
         if self.first_bucket_cap_mb is not None:

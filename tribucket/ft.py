@@ -226,10 +226,8 @@ class ManagedReducer(Reducer):
         guess fills in parameter order and reverses the buckets, which puts the remainder
         first and a full bucket last.)"""
         policy = LayoutPolicy(self.config, self._params, [False] * len(self._params))
-        return compute_layout(self._params, bucket_cap_bytes=self.config.bucket_cap_bytes,
-                              first_bucket_cap_bytes=policy.first_cap_bytes(),
-                              order=range(len(self._params) - 1, -1, -1),
-                              align_bytes=DDP_ALIGN_BYTES)
+        return compute_layout(self._params, order=range(len(self._params) - 1, -1, -1),
+                              align_bytes=DDP_ALIGN_BYTES, **policy.cap_kwargs())
 
     def _fix_layout(self) -> None:
         state = super().state_dict()

@@ -7,7 +7,8 @@ model bucketed by tribucket has DDP's buckets, in DDP's order, with DDP's tensor
 * tensors are grouped by ``(dtype, device)``;
 * tensors are walked in the given order; a bucket closes as soon as its (unpadded) byte
   size reaches the current cap: ``first_bucket_cap_bytes`` for the first bucket of each
-  key, ``bucket_cap_bytes`` afterwards;
+  key, ``bucket_cap_bytes`` afterwards (or, given ``bucket_cap_bytes_list``, the k-th cap
+  for the k-th bucket of each key, the last cap repeating);
 * a tensor expecting a sparse gradient gets a bucket of its own;
 * without ``order``: buckets are sorted by their smallest tensor index and the list is
   reversed (the gradients of the last layers are ready first);
@@ -299,6 +300,7 @@ def compute_layout(
     expect_sparse: Sequence[bool] | None = None,
     order: Sequence[int] | None = None,
     align_bytes: int = 16,
+    bucket_cap_bytes_list: Sequence[int] | None = None,
 ) -> BucketLayout:
     """Assign ``tensors`` to buckets exactly as torch DDP's ``compute_bucket_assignment_by_size``.
 
@@ -314,11 +316,23 @@ def compute_layout(
             Tensors are walked in this order and buckets are kept in the order they closed.
         align_bytes: each tensor's start offset is padded to a multiple of this many bytes
             (a power of two; padding does not count against the caps).
+        bucket_cap_bytes_list: one byte cap per bucket of each (dtype, device), in the
+            order the buckets fill, the last one repeating (DDP's ``bucket_cap_mb_list``);
+            given, it replaces ``bucket_cap_bytes`` and ``first_bucket_cap_bytes``.
     """
     specs = _as_specs(tensors)
     n = len(specs)
-    first = bucket_cap_bytes if first_bucket_cap_bytes is None else first_bucket_cap_bytes
-    for name, cap in (("bucket_cap_bytes", bucket_cap_bytes), ("first_bucket_cap_bytes", first)):
+    if bucket_cap_bytes_list is not None:
+        limits = list(bucket_cap_bytes_list)  # torch's bucket_size_limits: the last repeats
+        if not limits:
+            raise ValueError("bucket_cap_bytes_list must hold at least one cap (bytes), got "
+                             "an empty list")
+        named = [(f"bucket_cap_bytes_list[{k}]", cap) for k, cap in enumerate(limits)]
+    else:
+        first = bucket_cap_bytes if first_bucket_cap_bytes is None else first_bucket_cap_bytes
+        limits = [first, bucket_cap_bytes]
+        named = [("bucket_cap_bytes", bucket_cap_bytes), ("first_bucket_cap_bytes", first)]
+    for name, cap in named:
         if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
             raise ValueError(f"{name} must be a positive int (bytes), got {cap!r}")
     if isinstance(align_bytes, bool) or not isinstance(align_bytes, int) or align_bytes <= 0 \
@@ -340,7 +354,6 @@ def compute_layout(
                 f"got {order[:20]}{'...' if len(order) > 20 else ''}"
             )
     walk = order if order is not None else list(range(n))
-    limits = [first, bucket_cap_bytes]  # torch's bucket_size_limits: the last one repeats
 
     result: list[tuple[tuple[int, ...], int, bool]] = []
     open_buckets: dict[tuple, list] = {}  # key -> [indices, bytes]; insertion order = map order

@@ -30,7 +30,8 @@ from .ddp import Reducer
 __all__ = ["DistributedDataParallel"]
 
 #: DDP's options that mean what tribucket's options of the same name mean
-_SHARED = ("bucket_cap_mb", "find_unused_parameters", "gradient_as_bucket_view", "static_graph")
+_SHARED = ("bucket_cap_mb", "bucket_cap_mb_list", "find_unused_parameters",
+           "gradient_as_bucket_view", "static_graph")
 #: tribucket's own options (keyword only here); the DDP-named ones come from DDP's signature
 _OWN = tuple(f.name for f in dataclasses.fields(ReducerConfig)
              if f.name not in _SHARED and f.name != "broadcast_buffers")
@@ -70,10 +71,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     ``broadcast_buffers="ddp"``), ``init_sync``, ``process_group``, ``bucket_cap_mb``,
     ``find_unused_parameters``, ``check_reduction`` (ignored, deprecated in DDP),
     ``gradient_as_bucket_view``, ``static_graph``, ``device_mesh`` (1-D),
-    ``forward_sync_buffers`` and ``batched_grad_copy`` (no effect: buckets are packed in one
-    call). DDP's ``mixed_precision``, ``delay_all_reduce_named_params`` /
-    ``param_to_hook_all_reduce``, ``skip_all_reduce_unused_params=True`` and
-    ``bucket_cap_mb_list`` raise a ``ValueError`` naming the alternative. tribucket's own
+    ``bucket_cap_mb_list`` (one cap per bucket; ``bucket_cap_mb`` is then ignored, as DDP
+    ignores it), ``forward_sync_buffers`` and ``batched_grad_copy`` (no effect: buckets are
+    packed in one call). DDP's ``mixed_precision``, ``delay_all_reduce_named_params`` /
+    ``param_to_hook_all_reduce`` and ``skip_all_reduce_unused_params=True`` raise a
+    ``ValueError`` naming the alternative. tribucket's own
     options (``first_bucket_cap_mb``, ``timeout``, ``shard_optimizer``, ``comm_chunk_mb``,
     ``ignore_parameters``, ``debug``, ...) are keyword arguments.
 
@@ -115,10 +117,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             _refuse("skip_all_reduce_unused_params", skip_all_reduce_unused_params,
                     "unused parameters are reduced as zeros in their bucket, as DDP does by "
                     "default; leave it False")
-        if bucket_cap_mb_list is not None:
-            _refuse("bucket_cap_mb_list", bucket_cap_mb_list,
-                    "buckets have one cap, plus first_bucket_cap_mb for the first; pass "
-                    "bucket_cap_mb= and first_bucket_cap_mb= instead")
+        if bucket_cap_mb_list:  # DDP: the list's caps, bucket_cap_mb ignored
+            options["bucket_cap_mb_list"], bucket_cap_mb = bucket_cap_mb_list, None
         if device_ids is not None and len(device_ids) > 1:
             raise ValueError(f"device_ids can only be None or contain a single element, got "
                              f"{device_ids!r}: one process per device")
@@ -415,6 +415,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def bucket_bytes_cap(self) -> int:
         return self.reducer.bucket_bytes_cap
+
+    @property
+    def bucket_bytes_cap_list(self) -> list[int]:
+        """``bucket_cap_mb_list`` in bytes, as DDP's attribute (``[]`` without one)."""
+        return list(self.reducer.config.bucket_cap_bytes_list or [])
 
     @property
     def broadcast_buffers(self) -> bool:

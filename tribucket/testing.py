@@ -104,8 +104,12 @@ def layouts(
         sparse = draw(st.one_of(st.none(), st.lists(st.booleans(), min_size=n, max_size=n)))
         order = draw(st.one_of(st.none(), st.permutations(range(n))))
         align = draw(st.sampled_from([1, 2, 4, 8, 16, 64, 128]))
+        # sometimes one cap per bucket instead (DDP's bucket_cap_mb_list)
+        caps = draw(st.one_of(st.none(), st.lists(st.integers(1, max_cap_bytes),
+                                                  min_size=1, max_size=4)))
         kwargs = dict(bucket_cap_bytes=cap, first_bucket_cap_bytes=first,
-                      expect_sparse=sparse, order=order, align_bytes=align)
+                      expect_sparse=sparse, order=order, align_bytes=align,
+                      bucket_cap_bytes_list=caps)
         return LayoutCase(specs, kwargs, compute_layout(specs, **kwargs))
 
     return _case()
@@ -123,6 +127,7 @@ def check_layout(
     expect_sparse: Sequence[bool] | None = None,
     order: Sequence[int] | None = None,
     align_bytes: int = 16,
+    bucket_cap_bytes_list: Sequence[int] | None = None,
 ) -> None:
     """Assert every invariant of ``layout`` for ``tensors`` and the caps it was computed with.
 
@@ -146,7 +151,8 @@ def check_layout(
         if c != 1:
             _fail(f"tensor {i} is in {c} buckets (expected exactly 1)")
 
-    caps = sorted({first, bucket_cap_bytes})
+    caps = sorted(set(bucket_cap_bytes_list) if bucket_cap_bytes_list
+                  else {first, bucket_cap_bytes})
     last_of_key: dict[tuple, int] = {}
     for b, bucket in enumerate(layout.buckets):
         if not bucket.indices:
@@ -203,7 +209,7 @@ def check_layout(
 
     # encoding round-trips and layouts are deterministic
     again = compute_layout(specs, bucket_cap_bytes, first_bucket_cap_bytes, expect_sparse,
-                           order, align_bytes)
+                           order, align_bytes, bucket_cap_bytes_list)
     if again.buckets != layout.buckets:
         _fail("compute_layout is not deterministic: the same input gave another layout")
     decoded = BucketLayout.from_tensor(layout.to_tensor(), specs)

@@ -27,8 +27,6 @@ REASONS: dict[str, Reason] = {
     "test_ddp_static_graph_nested_types": Reason(
         "documented", "wraps a DDP inside a DDP over the same parameters: a parameter is "
         f"averaged by one reducer at a time, so the inner wrapper is refused, naming it ({_CLASS})"),
-    "test_ddp_bucket_cap_mb_list": Reason(
-        "documented", f"passes `bucket_cap_mb_list`, refused by name ({_CLASS})"),
     "test_ddp_native_mixed_precision_ignored_params": Reason(
         "documented", f"passes DDP's `mixed_precision`, refused by name ({_CLASS})"),
     "test_skip_all_reduce_unused_parameters": Reason(

@@ -94,10 +94,12 @@ class DDPCompat:
     static_graph = _Option(doc="DDP's ``static_graph`` (read-only).")
     gradient_as_bucket_view = _Option(doc="DDP's ``gradient_as_bucket_view`` (read-only).")
     broadcast_buffers = _Option(doc="``True``, ``False`` or ``'ddp'`` (read-only).")
-    bucket_cap_mb = _Option(lambda c: (DEFAULT_SHARD_BUCKET_CAP_MB if c.shard_optimizer
-                                       else DEFAULT_BUCKET_CAP_MB)
+    bucket_cap_mb = _Option(lambda c: max(c.bucket_cap_mb_list) if c.bucket_cap_mb_list
+                            else (DEFAULT_SHARD_BUCKET_CAP_MB if c.shard_optimizer
+                                  else DEFAULT_BUCKET_CAP_MB)
                             if c.bucket_cap_mb is None else c.bucket_cap_mb,
-                            "The bucket cap in MiB (read-only).")
+                            "The bucket cap in MiB (with ``bucket_cap_mb_list``, its largest; "
+                            "read-only).")
     bucket_bytes_cap = _Option(lambda c: c.bucket_cap_bytes,
                                "DDP's ``bucket_bytes_cap``: the bucket cap in bytes in use "
                                "(with ``bucket_cap_mb='auto'``, the candidate being measured, "

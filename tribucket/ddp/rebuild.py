@@ -29,7 +29,10 @@ class LayoutPolicy:
 
     def initial(self) -> BucketLayout:
         cfg = self.config
-        if cfg.dynamic_unused or cfg.shard_optimizer:
+        if cfg.bucket_cap_bytes_list is not None:
+            # DDP lays the initial buckets out by the list too (and rebuilds by it)
+            caps = dict(bucket_cap_bytes_list=cfg.bucket_cap_bytes_list)
+        elif cfg.dynamic_unused or cfg.shard_optimizer:
             # DDP keeps its size-capped initial buckets when it will never rebuild (and the
             # sharded optimizer's state lives on the first layout)
             caps = dict(bucket_cap_bytes=cfg.bucket_cap_bytes,
@@ -78,13 +81,19 @@ class LayoutPolicy:
                                   group=guard.group_arg(), async_op=True)
             guard.wait(work, "the bucket-rebuild broadcast", iteration)
         self.order = t.tolist()
-        cfg = self.config
-        caps = self.caps or (cfg.bucket_cap_bytes, self.first_cap_bytes())
-        return self.relayout(caps, align_bytes)
+        return self.relayout(self.caps, align_bytes)
 
-    def relayout(self, caps: tuple[int, int], align_bytes: int) -> BucketLayout:
-        """The layout of the rebuild's order under other ``(bucket cap, first cap)`` bytes."""
+    def cap_kwargs(self, caps: tuple[int, int] | None = None) -> dict:
+        """:func:`compute_layout`'s cap arguments after the rebuild: ``caps`` (bucket cap,
+        first cap) in bytes, else the config's (its ``bucket_cap_mb_list``, or its caps)."""
+        cfg = self.config
+        if caps is None and cfg.bucket_cap_bytes_list is not None:
+            return dict(bucket_cap_bytes_list=cfg.bucket_cap_bytes_list)
+        cap, first = caps or (cfg.bucket_cap_bytes, self.first_cap_bytes())
+        return dict(bucket_cap_bytes=cap, first_bucket_cap_bytes=first)
+
+    def relayout(self, caps: tuple[int, int] | None, align_bytes: int) -> BucketLayout:
+        """The layout of the rebuild's order under ``caps`` (:meth:`cap_kwargs`)."""
         assert self.order is not None, "relayout before the rebuild"
-        return compute_layout(
-            self.params, bucket_cap_bytes=caps[0], first_bucket_cap_bytes=caps[1],
-            expect_sparse=self.expect_sparse, order=self.order, align_bytes=align_bytes)
+        return compute_layout(self.params, expect_sparse=self.expect_sparse, order=self.order,
+                              align_bytes=align_bytes, **self.cap_kwargs(caps))
