@@ -258,7 +258,6 @@ def _constructor_errors():
         "mixed_precision": dict(mixed_precision=object()),
         "delay_all_reduce_named_params": dict(delay_all_reduce_named_params=[],
                                               param_to_hook_all_reduce=model.head.weight),
-        "skip_all_reduce_unused_params": dict(skip_all_reduce_unused_params=True),
         "device_ids": dict(device_ids=[0]),
         "no_such_option": dict(no_such_option=1),
     }
@@ -286,7 +285,7 @@ def _constructor_errors():
 def test_ddp_keywords_are_accepted_or_refused_by_name(dist_run):
     out = dist_run(_constructor_errors)[0]
     for name in ("mixed_precision", "delay_all_reduce_named_params",
-                 "skip_all_reduce_unused_params", "device_ids"):
+                 "device_ids"):
         kind, msg = out[name]
         assert kind == "ValueError" and name in msg, (name, msg)
     kind, msg = out["no_such_option"]
@@ -340,6 +339,90 @@ def test_bucket_cap_mb_list_as_ddp(dist_run):
         assert ours == theirs and ours[1] is not None, (ours, theirs)  # rebuilt, as DDP's
         assert len(ours[1].split(",")) > 2, "the small caps give several buckets"
         assert out["loaded"] == want
+
+
+class _Switch(nn.Module):
+    """``a`` always used, ``b`` only when asked (the same on every rank), ``c`` never; with
+    4 KiB caps each Linear fills a bucket of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(32, 32, bias=False) for _ in range(3))
+
+    def forward(self, x, use_b=False):
+        y = self.a(x)
+        return y + self.b(x) if use_b else y
+
+
+def _skip_unused_vs_ddp():
+    """``skip_all_reduce_unused_params=True`` as DDP's: a bucket whose parameters this
+    forward left unused (the same on every rank) is not all-reduced and its ``.grad`` stays
+    as it was; the others are averaged as usual, equal to DDP's to the bit."""
+    rank = dist.get_rank()
+    kw = dict(find_unused_parameters=True, bucket_cap_mb=4096 / 2**20,
+              skip_all_reduce_unused_params=True)
+    torch.manual_seed(0)
+    ours = tribucket.DistributedDataParallel(_Switch(), **kw)
+    torch.manual_seed(0)
+    theirs = DDP(_Switch(), **kw)
+    reduced = []
+    for step, use_b in enumerate([False, True, False, False]):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(8, 32, generator=g)
+        for m in (ours, theirs):
+            m(x, use_b=use_b).square().mean().backward()
+        for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+            assert (a.grad is None) == (b.grad is None), (step, name)
+            if a.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0,
+                                           msg=lambda m: f"step {step} {name}: {m}")
+        reduced.append((ours.reducer.logging_data()["num_buckets_reduced"],
+                        ours.reducer.stats.bytes_communicated))
+    nodes = [m._get_ddp_logging_data()["num_buckets_reduced"] for m in (ours, theirs)]
+    ours.close()
+    return reduced, nodes
+
+
+def test_skip_all_reduce_unused_params_as_ddp(dist_run):
+    for reduced, (ours, theirs) in dist_run(_skip_unused_vs_ddp):
+        counts = [n for n, _ in reduced]
+        assert counts == [1, 2, 1, 1], counts  # c never; b in step 1 only
+        nbytes = [b for _, b in reduced]
+        assert nbytes[1] == 2 * nbytes[0], nbytes  # one bucket's bytes, then two
+        assert theirs == 1 and ours == 1  # (DDP reports the step before: also 1)
+
+
+def _skip_refusals():
+    out = []
+    for kwargs in (dict(skip_all_reduce_unused_params=True),
+                   dict(skip_all_reduce_unused_params=True, find_unused_parameters=True,
+                        static_graph=True),
+                   dict(skip_all_reduce_unused_params=True, find_unused_parameters=True,
+                        shard_optimizer=True),
+                   dict(skip_all_reduce_unused_params=True, find_unused_parameters=True,
+                        comm_chunk_mb=1)):
+        try:
+            tribucket.ReducerConfig(**kwargs)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    with tribucket.fused_bucketing(build("mlp"), find_unused_parameters=True,
+                                   skip_all_reduce_unused_params=True) as reducer:
+        try:
+            with reducer.join():
+                pass
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_skip_all_reduce_unused_params_refusals(dist_run):
+    msgs = dist_run(_skip_refusals)[0]
+    assert all(m is not None and "skip_all_reduce_unused_params" in m for m in msgs), msgs
+    for m, word in zip(msgs, ("find_unused_parameters=True", "static_graph", "shard_optimizer",
+                              "comm_chunk_mb", "Join")):
+        assert word in m, (word, m)
 
 
 # ---------------------------------------------------------------- torch.save of the wrapper

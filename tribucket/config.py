@@ -66,6 +66,12 @@ class ReducerConfig:
     #: search the autograd graph after each forward for parameters that will get no
     #: gradient and treat them as ready (their slice of the bucket is zero)
     find_unused_parameters: bool = False
+    #: with ``find_unused_parameters``: a bucket whose every parameter the forward left
+    #: unused (and that got no gradient in a ``no_sync`` pass since the last averaged one)
+    #: is not all-reduced, and its ``.grad`` stay as they were: DDP's option of the same
+    #: name. The unused set must be the same on every rank, as in DDP (a rank that skips a
+    #: bucket its peers reduce pairs its next collective with theirs: ``debug=True`` names it)
+    skip_all_reduce_unused_params: bool = False
     #: the graph (used parameters, hook order) is the same every iteration: the unused set
     #: is recorded once and the buckets are rebuilt even with unused parameters
     static_graph: bool = False
@@ -134,7 +140,8 @@ class ReducerConfig:
         if self.comm_chunk_mb is not None and self.comm_chunk_mb != 0:
             _positive_mb("comm_chunk_mb", self.comm_chunk_mb)
         for name in ("gradient_as_bucket_view", "find_unused_parameters", "static_graph",
-                     "debug", "shard_optimizer", "reuse_grad_figures"):
+                     "debug", "shard_optimizer", "reuse_grad_figures",
+                     "skip_all_reduce_unused_params"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (isinstance(self.broadcast_buffers, bool) or self.broadcast_buffers == "ddp"):
@@ -150,6 +157,8 @@ class ReducerConfig:
             raise ValueError(f"comm_chunk_mb={self.comm_chunk_mb!r} cannot be combined with "
                              "shard_optimizer=True (a bucket is reduce-scattered whole); "
                              "leave comm_chunk_mb unset")
+        if self.skip_all_reduce_unused_params:
+            self._check_skip()
         if isinstance(self.ignore_parameters, (str, bytes)):
             raise TypeError("ignore_parameters must be a collection of parameters or names, "
                             f"got the string {self.ignore_parameters!r}; wrap it in a tuple")
@@ -179,6 +188,23 @@ class ReducerConfig:
                                  f"the first's included, and cannot be combined with "
                                  f"{name}={getattr(self, name)!r}: leave {name} unset")
         object.__setattr__(self, "bucket_cap_mb_list", caps)
+
+    def _check_skip(self) -> None:
+        why = None
+        if not self.find_unused_parameters:
+            why = ("it needs find_unused_parameters=True (the unused parameters are found by "
+                   "searching the graph after each forward)")
+        elif self.static_graph:
+            why = ("it is not supported with static_graph=True (the static graph's used set "
+                   "is learned once); leave static_graph off")
+        elif self.shard_optimizer:
+            why = ("it is not supported with shard_optimizer=True (every bucket is "
+                   "reduce-scattered into the optimizer's shards)")
+        elif self.comm_chunk_mb:
+            why = ("it is not supported with comm_chunk_mb (chunks go out before the bucket "
+                   "is complete); leave comm_chunk_mb unset")
+        if why is not None:
+            raise ValueError(f"skip_all_reduce_unused_params=True: {why}")
 
     @property
     def autotune(self) -> bool:

@@ -98,6 +98,12 @@ def _refuse(module: nn.Module, process_group, options: dict) -> None:
                 "group must hold the same buckets from the first step (they are fixed from the "
                 "parameters alone, never rebuilt or re-laid), and a group that joins later "
                 f"could not follow a search; pass a number for {name}")
+    if options.get("skip_all_reduce_unused_params"):
+        raise ValueError(
+            "fused_bucketing(manager=...) does not support skip_all_reduce_unused_params=True: "
+            "replica groups train on different data and may leave different parameters "
+            "unused, and a bucket one group skips while another sends it would pair the "
+            "manager's allreduces wrongly; leave it off")
     if options.get("comm_chunk_mb"):
         raise ValueError(
             f"fused_bucketing(manager=...) does not support comm_chunk_mb="

@@ -31,7 +31,7 @@ __all__ = ["DistributedDataParallel"]
 
 #: DDP's options that mean what tribucket's options of the same name mean
 _SHARED = ("bucket_cap_mb", "bucket_cap_mb_list", "find_unused_parameters",
-           "gradient_as_bucket_view", "static_graph")
+           "gradient_as_bucket_view", "static_graph", "skip_all_reduce_unused_params")
 #: tribucket's own options (keyword only here); the DDP-named ones come from DDP's signature
 _OWN = tuple(f.name for f in dataclasses.fields(ReducerConfig)
              if f.name not in _SHARED and f.name != "broadcast_buffers")
@@ -72,10 +72,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     ``find_unused_parameters``, ``check_reduction`` (ignored, deprecated in DDP),
     ``gradient_as_bucket_view``, ``static_graph``, ``device_mesh`` (1-D),
     ``bucket_cap_mb_list`` (one cap per bucket; ``bucket_cap_mb`` is then ignored, as DDP
-    ignores it), ``forward_sync_buffers`` and ``batched_grad_copy`` (no effect: buckets are
-    packed in one call). DDP's ``mixed_precision``, ``delay_all_reduce_named_params`` /
-    ``param_to_hook_all_reduce`` and ``skip_all_reduce_unused_params=True`` raise a
-    ``ValueError`` naming the alternative. tribucket's own
+    ignores it), ``skip_all_reduce_unused_params``, ``forward_sync_buffers`` and
+    ``batched_grad_copy`` (no effect: buckets are packed in one call). DDP's
+    ``mixed_precision`` and ``delay_all_reduce_named_params`` / ``param_to_hook_all_reduce``
+    raise a ``ValueError`` naming the alternative. tribucket's own
     options (``first_bucket_cap_mb``, ``timeout``, ``shard_optimizer``, ``comm_chunk_mb``,
     ``ignore_parameters``, ``debug``, ...) are keyword arguments.
 
@@ -114,9 +114,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                     "(register_comm_hook(None, tribucket.hooks.bf16_compress_hook)) for "
                     "the communication")
         if skip_all_reduce_unused_params:
-            _refuse("skip_all_reduce_unused_params", skip_all_reduce_unused_params,
-                    "unused parameters are reduced as zeros in their bucket, as DDP does by "
-                    "default; leave it False")
+            options["skip_all_reduce_unused_params"] = skip_all_reduce_unused_params
         if bucket_cap_mb_list:  # DDP: the list's caps, bucket_cap_mb ignored
             options["bucket_cap_mb_list"], bucket_cap_mb = bucket_cap_mb_list, None
         if device_ids is not None and len(device_ids) > 1:

@@ -29,8 +29,6 @@ REASONS: dict[str, Reason] = {
         f"averaged by one reducer at a time, so the inner wrapper is refused, naming it ({_CLASS})"),
     "test_ddp_native_mixed_precision_ignored_params": Reason(
         "documented", f"passes DDP's `mixed_precision`, refused by name ({_CLASS})"),
-    "test_skip_all_reduce_unused_parameters": Reason(
-        "documented", f"passes `skip_all_reduce_unused_params=True`, refused by name ({_CLASS})"),
     # ---- DDP internals
     "test_ddp_broadcast_buffer_via_hook": Reason(
         "internal", "calls DDP's private `_register_buffer_comm_hook`"),

@@ -216,9 +216,21 @@ class Backward:
             self.native.begin(p, self.buckets)
         if cfg.static_graph and self.static_counts is None:
             return
+        if cfg.skip_all_reduce_unused_params and not p.shadow:
+            p.skip = self._skippable()  # (before the unused are counted in and launch)
         if cfg.static_graph or cfg.find_unused_parameters:
             for i in self.unused:
                 self._mark_ready(p, i)
+
+    def _skippable(self) -> frozenset:
+        """``skip_all_reduce_unused_params``: the buckets whose every parameter the last
+        forward left unused and that got no gradient in a ``no_sync`` pass since the last
+        averaged one (DDP's locally unused)."""
+        unused = set(self.unused)
+        if self.nosync_used is not None:
+            unused -= {i for i, f in enumerate(self.nosync_used) if f}
+        return frozenset(b.index for b in self.buckets
+                         if all(i in unused for i in b.indices))
 
     def _mark_ready(self, p: Pass, index: int) -> None:
         self.grad_hooks[index].mark(p)
@@ -238,10 +250,17 @@ class Backward:
         then the ready chunks of the first incomplete one."""
         buckets, comm = self.buckets, self.comm
         while p.next_bucket < len(buckets) and buckets[p.next_bucket].state == BucketState.READY:
-            buckets[p.next_bucket].launch(p, comm)
+            self._launch(p, buckets[p.next_bucket])
             p.next_bucket += 1
         if p.next_bucket < len(buckets) and buckets[p.next_bucket].chunked:
             buckets[p.next_bucket].send_ready_chunks(p, comm)
+
+    def _launch(self, p: Pass, bucket) -> None:
+        """Pack and communicate ``bucket``, or skip it (every parameter unused)."""
+        if bucket.index in p.skip:
+            bucket.skip()
+        else:
+            bucket.launch(p, self.comm)
 
     # ------------------------------------------------------------------ buckets
     def allocate(self) -> None:
@@ -310,13 +329,14 @@ class Backward:
         # launch whatever is left, with zeros for missing gradients, so no peer is left
         # blocked in a collective this rank would never join
         for b in range(p.next_bucket, len(self.buckets)):
-            self.buckets[b].launch(p, self.comm)
+            self._launch(p, self.buckets[b])
         p.next_bucket = len(self.buckets)
+        self.stats.buckets_skipped = len(p.skip)
 
         results, status, self.stats.status_check_s = self._exchange_status(
             p, n_missing + len(p.errors), used)
         self._forget_nosync_used()
-        if self.piggyback and len(p.errors) > p.status_errors:
+        if self._piggybacked(p) and len(p.errors) > p.status_errors:
             # misuse seen after the status was sent with the last bucket: this rank only
             self.status.raise_problems([], [0.0] * self.world_size, p.errors)
         self._check_steps(status)  # before the gradients reach .grad
@@ -409,9 +429,13 @@ class Backward:
         return self.status.write_tail(
             buf, self.status.tensor(problems, self._local_used(p), *self.status.marks(p)))
 
+    def _piggybacked(self, p: Pass) -> bool:
+        """Whether this pass's status rode in the last bucket's tail (not if it was skipped)."""
+        return self.piggyback and self.buckets[-1].index not in p.skip
+
     def _exchange_status(self, p: Pass, problems: int,
                          used: list | None) -> tuple[list, torch.Tensor, float]:
-        last = self.buckets[-1].mem if self.piggyback else None
+        last = self.buckets[-1].mem if self._piggybacked(p) else None
         return self.status.exchange(
             self.buckets, None if last is None else last.active,
             lambda: self.status.tensor(problems, used, *self.status.marks(p)),
@@ -479,7 +503,7 @@ class Backward:
                         f"rank {self.rank} before its end")
         self.ready_order = []  # the order of a broken pass is no base for the rebuild
         for b in range(p.next_bucket, len(self.buckets)):
-            self.buckets[b].launch(p, self.comm)
+            self._launch(p, self.buckets[b])
         p.next_bucket = len(self.buckets)
         _, status, _ = self._exchange_status(p, self._missing(p) + len(p.errors),
                                              self._local_used(p))

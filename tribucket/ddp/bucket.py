@@ -186,6 +186,17 @@ def _futures_of(handle):
 
 
 # ------------------------------------------------------------------ buckets
+class _Nothing:
+    """The handle of a bucket that is not communicated in a pass."""
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+
+_NOTHING = _Nothing()
+
+
 class _BucketBase:
     __slots__ = ("index", "spec", "params", "indices", "is_last", "state", "pending",
                  "handle", "t_launch", "targets_all", "tracer", "trace_rec")
@@ -212,6 +223,13 @@ class _BucketBase:
         self.state = BucketState.PENDING
         self.pending = len(self.params)
         self.handle = None
+
+    def skip(self) -> None:
+        """Not communicated in this pass (every parameter unused,
+        ``skip_all_reduce_unused_params``): ``wait()`` gives None, and ``finish(None, ...)``
+        leaves the gradients as they are."""
+        self.state, self.t_launch = BucketState.LAUNCHED, time.perf_counter()
+        self.handle, self.tracer = _NOTHING, None
 
     def wait(self) -> torch.Tensor:
         """Wait for the in-flight communication; the reduced bucket."""
@@ -279,7 +297,7 @@ class SparseBucket(_BucketBase):
 
     def finish(self, result: torch.Tensor, targets: list, all_targets: bool = False,
                stats: torch.Tensor | None = None) -> bool:
-        if targets[0]:
+        if result is not None and targets[0]:
             self.params[0].grad = result
         return False  # no figures for a sparse gradient (clipping falls back to torch)
 
@@ -408,5 +426,8 @@ class DenseBucket(_BucketBase):
         """The averaged bucket becomes the gradients of the ``targets`` parameters (lent as
         views of the buffer, or unpacked into them): the one place a reduced bucket ends.
         ``all_targets``: every parameter of the bucket is a target. ``stats``: the epilogue's
-        ``[sum of squares, flag]``, filled by an unpack kernel; returns whether it was."""
+        ``[sum of squares, flag]``, filled by an unpack kernel; returns whether it was.
+        ``result`` None: the bucket was skipped, its gradients stay as they are."""
+        if result is None:
+            return False
         return self.mem.finish(result, targets, all_targets, stats)

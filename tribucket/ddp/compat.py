@@ -159,7 +159,7 @@ def logging_data(reducer: Any, params: list, hook: Callable | None, initial_size
         rebuilt_bucket_sizes=bucket_sizes(layout) if rebuilt else None,
         rebuilt_per_bucket_param_indices=", ".join(
             " ".join(map(str, b.indices)) for b in layout.buckets) if rebuilt else None,
-        num_buckets_reduced=len(layout.buckets),
+        num_buckets_reduced=len(layout.buckets) - reducer.stats.buckets_skipped,
         unused_parameter_size=sum(params[i].numel() * params[i].element_size()
                                   for i in unused),
     )

@@ -498,6 +498,11 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         initial world size; ``False`` divides by the number of ranks still training.
         """
         refuse_join_with_experts(self.module)
+        if self.config.skip_all_reduce_unused_params:
+            raise ValueError("Join (uneven inputs) is not supported with "
+                             "skip_all_reduce_unused_params=True: a rank out of inputs runs no "
+                             "forward, so it cannot tell which buckets its peers skip; leave "
+                             "the option off to train on uneven inputs")
         if self.config.shard_optimizer:
             raise ValueError("Join (uneven inputs) is not supported with shard_optimizer=True: "
                              "a rank out of inputs would also have to shadow the sharded "

@@ -28,6 +28,9 @@ class ReducerStats:
     bytes_communicated: int = 0
     #: buckets in the current layout
     buckets: int = 0
+    #: buckets not all-reduced in the last backward: every parameter unused
+    #: (``skip_all_reduce_unused_params=True``)
+    buckets_skipped: int = 0
     #: times the buckets were rebuilt in gradient-ready order (at most once)
     rebuilds: int = 0
     #: bytes of the bucket buffers one iteration uses
@@ -48,7 +51,8 @@ class Pass:
 
     __slots__ = ("sync", "ready", "fired", "next_bucket", "t_start", "callback_queued",
                  "any_ready", "bytes", "errors", "scale", "shadow", "status_errors",
-                 "record_order", "iteration", "plain", "step", "opt_step", "create_graph")
+                 "record_order", "iteration", "plain", "step", "opt_step", "create_graph",
+                 "skip")
 
     def __init__(self, sync: bool, n_params: int, iteration: int):
         self.sync = sync                       # False: no_sync, gradients stay local
@@ -68,6 +72,7 @@ class Pass:
         self.step = 0                          # training forwards run before this backward
         self.opt_step = 0                      # optimizer steps taken before it (counted
         # from the reducer's last step agreement)
+        self.skip: frozenset = frozenset()     # buckets not all-reduced: all params unused
         self.create_graph = False              # backward(create_graph=True): packs no_grad
         self.plain = False                     # a gradient needs only to be counted in:
         # synced, first gradient seen, no hook counts, no used map, no order to record
