@@ -354,15 +354,19 @@ class _Switch(nn.Module):
         return y + self.b(x) if use_b else y
 
 
-def _skip_unused_vs_ddp():
+def _skip_unused_vs_ddp(**extra):
     """``skip_all_reduce_unused_params=True`` as DDP's: a bucket whose parameters this
     forward left unused (the same on every rank) is not all-reduced and its ``.grad`` stays
-    as it was; the others are averaged as usual, equal to DDP's to the bit."""
+    as it was; the others are averaged as usual, equal to DDP's to the bit. ``extra``: more
+    options for tribucket only (``gradient_as_bucket_view``, ``pack_on_ready``): they must
+    not change a value. (DDP itself, with ``gradient_as_bucket_view=True``, divides a
+    skipped bucket's gradients by the world size at every step it skips it; the reference
+    here is DDP without it.)"""
     rank = dist.get_rank()
     kw = dict(find_unused_parameters=True, bucket_cap_mb=4096 / 2**20,
               skip_all_reduce_unused_params=True)
     torch.manual_seed(0)
-    ours = tribucket.DistributedDataParallel(_Switch(), **kw)
+    ours = tribucket.DistributedDataParallel(_Switch(), **kw, **extra)
     torch.manual_seed(0)
     theirs = DDP(_Switch(), **kw)
     reduced = []
@@ -383,8 +387,10 @@ def _skip_unused_vs_ddp():
     return reduced, nodes
 
 
-def test_skip_all_reduce_unused_params_as_ddp(dist_run):
-    for reduced, (ours, theirs) in dist_run(_skip_unused_vs_ddp):
+@pytest.mark.parametrize("extra", [{}, dict(gradient_as_bucket_view=True, pack_on_ready=True),
+                                   dict(pack_on_ready=True)], ids=["default", "view", "eager"])
+def test_skip_all_reduce_unused_params_as_ddp(dist_run, extra):
+    for reduced, (ours, theirs) in dist_run(_skip_unused_vs_ddp, **extra):
         counts = [n for n, _ in reduced]
         assert counts == [1, 2, 1, 1], counts  # c never; b in step 1 only
         nbytes = [b for _, b in reduced]

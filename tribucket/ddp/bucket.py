@@ -111,8 +111,8 @@ class GradHook:
                 bw.bucket_complete(p, bucket)
             return
         p.ready[self.index] = 1
-        if bucket.eager:
-            bucket.put(k, p.scale)
+        if bucket.eager and bucket.index not in p.skip:  # (a skipped bucket is not packed:
+            bucket.put(k, p.scale)  # its slot may be the parameter's .grad, lent as a view)
         bucket.pending -= 1
         if bucket.pending == 0:
             bw.bucket_complete(p, bucket)
