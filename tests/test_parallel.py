@@ -4,6 +4,7 @@ the reducer's release."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import warnings
@@ -396,6 +397,41 @@ def test_skip_all_reduce_unused_params_as_ddp(dist_run, extra):
         nbytes = [b for _, b in reduced]
         assert nbytes[1] == 2 * nbytes[0], nbytes  # one bucket's bytes, then two
         assert theirs == 1 and ours == 1  # (DDP reports the step before: also 1)
+
+
+def _skip_after_no_sync():
+    """A parameter the sync forward left unused but that got a gradient in a ``no_sync``
+    pass before it is averaged, not skipped: against DDP without the option (DDP with it
+    skips the bucket, and each rank keeps its own gradient: the ranks' parameters part)."""
+    rank = dist.get_rank()
+    kw = dict(find_unused_parameters=True, bucket_cap_mb=4096 / 2**20)
+    torch.manual_seed(0)
+    ours = tribucket.DistributedDataParallel(_Switch(), skip_all_reduce_unused_params=True,
+                                             **kw)
+    torch.manual_seed(0)
+    theirs = DDP(_Switch(), **kw)
+    reduced = []
+    for step, (use_b, sync) in enumerate([(False, True), (True, False), (False, True),
+                                          (False, True)]):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(8, 32, generator=g)
+        for m in (ours, theirs):
+            with contextlib.nullcontext() if sync else m.no_sync():
+                m(x, use_b=use_b).square().mean().backward()
+        for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+            assert (a.grad is None) == (b.grad is None), (step, name)
+            if a.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0,
+                                           msg=lambda m: f"step {step} {name}: {m}")
+        if sync:
+            reduced.append(ours.reducer.logging_data()["num_buckets_reduced"])
+    ours.close()
+    return reduced
+
+
+def test_skip_all_reduce_unused_params_averages_no_sync_gradients(dist_run):
+    for reduced in dist_run(_skip_after_no_sync):
+        assert reduced == [1, 2, 1], reduced  # b's no_sync gradient is averaged, then skipped
 
 
 def _skip_refusals():
