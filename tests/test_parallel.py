@@ -355,6 +355,29 @@ class _Switch(nn.Module):
         return y + self.b(x) if use_b else y
 
 
+def _switch_steps(ours, theirs, plan) -> list:
+    """Train both wrappers of :class:`_Switch` through ``plan`` (``(use_b, sync)`` per step,
+    the same on every rank, each rank its own batch); after every step their ``.grad`` must
+    be equal to the bit (``None`` alike). Returns ``(num_buckets_reduced, bytes sent)`` of
+    each synchronised step."""
+    rank, reduced = dist.get_rank(), []
+    for step, (use_b, sync) in enumerate(plan):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(8, 32, generator=g)
+        for m in (ours, theirs):
+            with contextlib.nullcontext() if sync else m.no_sync():
+                m(x, use_b=use_b).square().mean().backward()
+        for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+            assert (a.grad is None) == (b.grad is None), (step, name)
+            if a.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0,
+                                           msg=lambda m: f"step {step} {name}: {m}")
+        if sync:
+            reduced.append((ours.reducer.logging_data()["num_buckets_reduced"],
+                            ours.reducer.stats.bytes_communicated))
+    return reduced
+
+
 def _skip_unused_vs_ddp(**extra):
     """``skip_all_reduce_unused_params=True`` as DDP's: a bucket whose parameters this
     forward left unused (the same on every rank) is not all-reduced and its ``.grad`` stays
@@ -363,26 +386,14 @@ def _skip_unused_vs_ddp(**extra):
     not change a value. (DDP itself, with ``gradient_as_bucket_view=True``, divides a
     skipped bucket's gradients by the world size at every step it skips it; the reference
     here is DDP without it.)"""
-    rank = dist.get_rank()
     kw = dict(find_unused_parameters=True, bucket_cap_mb=4096 / 2**20,
               skip_all_reduce_unused_params=True)
     torch.manual_seed(0)
     ours = tribucket.DistributedDataParallel(_Switch(), **kw, **extra)
     torch.manual_seed(0)
     theirs = DDP(_Switch(), **kw)
-    reduced = []
-    for step, use_b in enumerate([False, True, False, False]):
-        g = torch.Generator().manual_seed(100 * rank + step)
-        x = torch.randn(8, 32, generator=g)
-        for m in (ours, theirs):
-            m(x, use_b=use_b).square().mean().backward()
-        for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
-            assert (a.grad is None) == (b.grad is None), (step, name)
-            if a.grad is not None:
-                torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0,
-                                           msg=lambda m: f"step {step} {name}: {m}")
-        reduced.append((ours.reducer.logging_data()["num_buckets_reduced"],
-                        ours.reducer.stats.bytes_communicated))
+    reduced = _switch_steps(ours, theirs, [(False, True), (True, True), (False, True),
+                                           (False, True)])
     nodes = [m._get_ddp_logging_data()["num_buckets_reduced"] for m in (ours, theirs)]
     ours.close()
     return reduced, nodes
@@ -403,30 +414,16 @@ def _skip_after_no_sync():
     """A parameter the sync forward left unused but that got a gradient in a ``no_sync``
     pass before it is averaged, not skipped: against DDP without the option (DDP with it
     skips the bucket, and each rank keeps its own gradient: the ranks' parameters part)."""
-    rank = dist.get_rank()
     kw = dict(find_unused_parameters=True, bucket_cap_mb=4096 / 2**20)
     torch.manual_seed(0)
     ours = tribucket.DistributedDataParallel(_Switch(), skip_all_reduce_unused_params=True,
                                              **kw)
     torch.manual_seed(0)
     theirs = DDP(_Switch(), **kw)
-    reduced = []
-    for step, (use_b, sync) in enumerate([(False, True), (True, False), (False, True),
-                                          (False, True)]):
-        g = torch.Generator().manual_seed(100 * rank + step)
-        x = torch.randn(8, 32, generator=g)
-        for m in (ours, theirs):
-            with contextlib.nullcontext() if sync else m.no_sync():
-                m(x, use_b=use_b).square().mean().backward()
-        for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
-            assert (a.grad is None) == (b.grad is None), (step, name)
-            if a.grad is not None:
-                torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0,
-                                           msg=lambda m: f"step {step} {name}: {m}")
-        if sync:
-            reduced.append(ours.reducer.logging_data()["num_buckets_reduced"])
+    reduced = _switch_steps(ours, theirs, [(False, True), (True, False), (False, True),
+                                           (False, True)])
     ours.close()
-    return reduced
+    return [n for n, _ in reduced]
 
 
 def test_skip_all_reduce_unused_params_averages_no_sync_gradients(dist_run):
