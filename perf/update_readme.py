@@ -118,6 +118,12 @@ def _headline_rows_second() -> list[tuple[str, str, str, str]]:
         t, z = med["tribucket sharded overlap"], med["DDP + ZeRO"]  # the default options
         rows.append(("sharded AdamW training step, mlp, 2 ranks", _ms(t),
                      f"DDP + `ZeroRedundancyOptimizer` {_ms(z)}", f"{t / z:.2f}x the time"))
+    if (RESULTS / "skip.json").exists():
+        med = _load("skip")["median_s"]
+        rows.append(("training step, two 4 MiB heads with one idle per step, "
+                     "`skip_all_reduce_unused_params`, 2 ranks", _ms(med["tribucket skip"]),
+                     f"DDP with the option {_ms(med['DDP skip'])}",
+                     f"{med['tribucket skip'] / med['DDP skip']:.2f}x the time"))
     if (RESULTS / "lightning.json").exists():
         r = _load("lightning")["results"]
         med = r["median_s"]
