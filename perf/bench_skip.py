@@ -36,6 +36,7 @@ from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _bench import bar_plot, init_worker, spawn, turn_order  # noqa: E402
+from _results import save  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 VARIANTS = ["DDP", "DDP skip", "tribucket", "tribucket skip"]
@@ -111,6 +112,12 @@ def table(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(data: dict, path: pathlib.Path) -> None:
+    bar_plot([dict(model="two heads", median_s=data["median_s"])], VARIANTS,
+             ["#999", "#bbb", "#4c72b0", "#55a868"],
+             "skip_all_reduce_unused_params, {model}, 2 gloo ranks", path)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=60)
@@ -122,15 +129,9 @@ def main(argv=None) -> None:
     meta = {"torch": torch.__version__, "cpus": os.cpu_count(), "loadavg_1min": load,
             "loadavg_1min_after": os.getloadavg()[0], "rounds": args.rounds}
     times = got["times"]
-    data = {"meta": meta, "median_s": {k: statistics.median(v) for k, v in times.items()},
-            "times_s": times, "num_buckets_reduced_last_step": got["reduced"]}
-    (RESULTS / "skip.json").write_text(json.dumps(data, indent=1))
-    md = table(data)
-    (RESULTS / "skip.md").write_text(md)
-    bar_plot([dict(model="two heads", median_s=data["median_s"])], VARIANTS,
-             ["#999", "#bbb", "#4c72b0", "#55a868"],
-             "skip_all_reduce_unused_params, {model}, 2 gloo ranks", RESULTS / "skip.png")
-    print(md, end="")
+    save(RESULTS, "skip", {"meta": meta, "times_s": times,
+                           "median_s": {k: statistics.median(v) for k, v in times.items()},
+                           "num_buckets_reduced_last_step": got["reduced"]}, table, plot)
 
 
 if __name__ == "__main__":
