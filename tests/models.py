@@ -193,7 +193,8 @@ class RandomNet(nn.Module):
         squares = [i for i in range(len(w) - 1) if w[i] == w[i + 1]]
         if spec["tie"] and len(squares) >= 2:
             a, b = squares[0], squares[-1]
-            if dts[a] == dts[b] and not spec["frozen"][a] and not spec["frozen"][b]:
+            if (w[a] == w[b] and dts[a] == dts[b] and not spec["frozen"][a]
+                    and not spec["frozen"][b]):  # (square blocks of one width and dtype)
                 self.blocks[b].weight = self.blocks[a].weight
         self.head = nn.Linear(w[-1], 2)
 

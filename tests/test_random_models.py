@@ -43,6 +43,13 @@ def model_specs(draw):
     # parameters that never run, or run only for some inputs, need the unused search
     config["find_unused_parameters"] = any(spec["unused"]) or spec["branch"] or \
         draw(st.booleans())
+    caps = draw(st.sampled_from([None, [0.0001, 0.0005], [0.0005, 0.0001, 0.002]]))
+    if caps is not None:  # DDP's bucket_cap_mb_list, for both
+        config.update(bucket_cap_mb=None, bucket_cap_mb_list=caps)
+    # skipping unused buckets needs the same unused set on every rank: not with the
+    # data-dependent branch (tribucket only; DDP's reference runs without it)
+    if config["find_unused_parameters"] and not spec["branch"] and draw(st.booleans()):
+        config["skip_all_reduce_unused_params"] = True
     return spec, config
 
 
@@ -52,7 +59,8 @@ def _random_parity(spec, config, steps=3):
     mine = RandomNet(spec)
     torch.manual_seed(rank)
     theirs = RandomNet(spec)
-    ddp = DDP(theirs, **config)
+    ddp = DDP(theirs, **{k: v for k, v in config.items()
+                         if k != "skip_all_reduce_unused_params"})
     opt_a = torch.optim.SGD([p for p in mine.parameters() if p.requires_grad], lr=0.1)
     opt_b = torch.optim.SGD([p for p in theirs.parameters() if p.requires_grad], lr=0.1)
     with tribucket.fused_bucketing(mine, **config):
