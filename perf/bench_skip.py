@@ -28,14 +28,12 @@ import os
 import pathlib
 import statistics
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _bench import bar_plot, init_worker, spawn, turn_order  # noqa: E402
+from _bench import bar_plot, close_worker, init_worker, round_robin, spawn  # noqa: E402
 from _results import save  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -71,27 +69,22 @@ def _worker(rank: int, world: int, port: int, rounds: int, warmup: int, out: str
         runs[name] = (wrap, torch.optim.SGD(model.parameters(), lr=1e-4))
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(64, 256, generator=g)
-    times = {name: [] for name in VARIANTS}
-    for i in range(warmup + rounds):
-        task = i % 2
-        for name in turn_order(VARIANTS, i):
-            wrap, opt = runs[name]
-            dist.barrier()
-            start = time.perf_counter()
-            wrap(x, task).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
+    calls = [0]
+
+    def run(name: str) -> None:  # round_robin runs every variant once a round
+        wrap, opt = runs[name]
+        task = calls[0] // len(VARIANTS) % 2  # the round's task, the same for every variant
+        calls[0] += 1
+        wrap(x, task).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    times = round_robin(run, VARIANTS, rounds, warmup)
     reduced = {name: runs[name][0].reducer.logging_data()["num_buckets_reduced"]
                for name in VARIANTS if name.startswith("tribucket")}
-    for name in VARIANTS:
-        if name.startswith("tribucket"):
-            runs[name][0].close()
     if rank == 0:
         pathlib.Path(out).write_text(json.dumps(dict(times=times, reduced=reduced)))
-    dist.barrier()
-    dist.destroy_process_group()
+    close_worker(runs[name][0] for name in VARIANTS if name.startswith("tribucket"))
 
 
 def table(data: dict) -> str:
