@@ -169,10 +169,12 @@ class RandomNet(nn.Module):
     """A model built from a spec drawn by hypothesis (``tribucket.testing``-style).
 
     spec: dict(widths=[...], dtypes=[...], frozen=[...], bn=[...], unused=[...], tie=bool,
-    branch=bool). Block i maps widths[i] -> widths[i+1] in dtypes[i]; ``unused[i]`` adds a
-    side layer that never runs; ``branch`` runs the last block twice when the input's first
-    entry is positive (data-dependent); ``tie`` ties the last block's weight to a square
-    block's if one exists.
+    branch=bool, sometimes=bool). Block i maps widths[i] -> widths[i+1] in dtypes[i];
+    ``unused[i]`` adds a side layer that never runs; ``branch`` runs the last block twice
+    when the input's first entry is positive (data-dependent); ``sometimes`` adds a layer
+    before the head that runs only when the input's last entry is positive (so ranks given
+    different data leave different parameters unused); ``tie`` ties the last block's weight
+    to a square block's if one exists.
     """
 
     def __init__(self, spec):
@@ -196,12 +198,17 @@ class RandomNet(nn.Module):
             if (w[a] == w[b] and dts[a] == dts[b] and not spec["frozen"][a]
                     and not spec["frozen"][b]):  # (square blocks of one width and dtype)
                 self.blocks[b].weight = self.blocks[a].weight
+        self.sometimes = nn.Linear(w[-1], w[-1]) if spec.get("sometimes") else None
         self.head = nn.Linear(w[-1], 2)
 
     def forward(self, x):
+        gate = x[0, -1] > 0
         for i, (lin, norm) in enumerate(zip(self.blocks, self.norms)):
             x = torch.tanh(norm(lin(x.to(lin.weight.dtype))))
             if self.spec["branch"] and i == len(self.blocks) - 1 and x.shape[-1] == \
                     lin.out_features and lin.in_features == lin.out_features and x[0, 0] > 0:
                 x = torch.tanh(lin(x))
-        return self.head(x.float())
+        x = x.float()
+        if self.sometimes is not None and gate:
+            x = torch.tanh(self.sometimes(x))
+        return self.head(x)

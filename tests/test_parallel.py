@@ -9,6 +9,7 @@ import gc
 import math
 import warnings
 import weakref
+from datetime import timedelta
 
 import pytest
 import torch
@@ -357,11 +358,12 @@ class _Switch(nn.Module):
 
 def _switch_steps(ours, theirs, plan) -> list:
     """Train both wrappers of :class:`_Switch` through ``plan`` (``(use_b, sync)`` per step,
-    the same on every rank, each rank its own batch); after every step their ``.grad`` must
-    be equal to the bit (``None`` alike). Returns ``(num_buckets_reduced, bytes sent)`` of
-    each synchronised step."""
+    each rank its own batch; ``use_b`` the same on every rank, or a tuple of one per rank);
+    after every step their ``.grad`` must be equal to the bit (``None`` alike). Returns
+    ``(num_buckets_reduced, bytes sent)`` of each synchronised step."""
     rank, reduced = dist.get_rank(), []
     for step, (use_b, sync) in enumerate(plan):
+        use_b = use_b[rank] if isinstance(use_b, tuple) else use_b
         g = torch.Generator().manual_seed(100 * rank + step)
         x = torch.randn(8, 32, generator=g)
         for m in (ours, theirs):
@@ -429,6 +431,29 @@ def _skip_after_no_sync():
 def test_skip_all_reduce_unused_params_averages_no_sync_gradients(dist_run):
     for reduced in dist_run(_skip_after_no_sync):
         assert reduced == [1, 2, 1], reduced  # b's no_sync gradient is averaged, then skipped
+
+
+def _skip_unused_differs_across_ranks():
+    """``skip_all_reduce_unused_params=True`` where the forward leaves a bucket unused on one
+    rank and not on the other: the ranks agree before the first bucket, so that bucket is
+    averaged (the unused rank contributing zeros), as by DDP without the option; a bucket
+    unused on every rank is still skipped. (DDP with the option pairs the used rank's
+    allreduce of it with the other rank's next collective.)"""
+    kw = dict(find_unused_parameters=True, bucket_cap_mb=4096 / 2**20)
+    torch.manual_seed(0)
+    ours = tribucket.DistributedDataParallel(_Switch(), skip_all_reduce_unused_params=True,
+                                             timeout=timedelta(seconds=30), **kw)
+    torch.manual_seed(0)
+    theirs = DDP(_Switch(), **kw)
+    reduced = _switch_steps(ours, theirs, [(False, True), ((True, False), True), (False, True),
+                                           ((False, True), True), (True, True)])
+    ours.close()
+    return [n for n, _ in reduced]
+
+
+def test_skip_all_reduce_unused_params_unused_set_differs_across_ranks(dist_run):
+    for reduced in dist_run(_skip_unused_differs_across_ranks):
+        assert reduced == [1, 2, 1, 2, 2], reduced  # b unless no rank used it; c never
 
 
 def _skip_refusals():

@@ -32,6 +32,7 @@ def model_specs(draw):
         unused=draw(st.lists(st.booleans(), min_size=depth, max_size=depth)),
         tie=draw(st.booleans()),
         branch=draw(st.booleans()),
+        sometimes=draw(st.booleans()),
     )
     if all(spec["frozen"]):
         spec["frozen"][draw(st.integers(0, depth - 1))] = False
@@ -42,13 +43,14 @@ def model_specs(draw):
     )
     # parameters that never run, or run only for some inputs, need the unused search
     config["find_unused_parameters"] = any(spec["unused"]) or spec["branch"] or \
-        draw(st.booleans())
+        spec["sometimes"] or draw(st.booleans())
     caps = draw(st.sampled_from([None, [0.0001, 0.0005], [0.0005, 0.0001, 0.002]]))
     if caps is not None:  # DDP's bucket_cap_mb_list, for both
         config.update(bucket_cap_mb=None, bucket_cap_mb_list=caps)
-    # skipping unused buckets needs the same unused set on every rank: not with the
-    # data-dependent branch (tribucket only; DDP's reference runs without it)
-    if config["find_unused_parameters"] and not spec["branch"] and draw(st.booleans()):
+    # skipping unused buckets, also with the data-dependent branch (an unused set that
+    # differs between ranks: the ranks agree on what to skip; tribucket only, DDP's
+    # reference runs without it, as DDP's option needs the same set on every rank)
+    if config["find_unused_parameters"] and draw(st.booleans()):
         config["skip_all_reduce_unused_params"] = True
     return spec, config
 

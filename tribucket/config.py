@@ -69,8 +69,8 @@ class ReducerConfig:
     #: with ``find_unused_parameters``: a bucket whose every parameter the forward left
     #: unused (and that got no gradient in a ``no_sync`` pass since the last averaged one)
     #: is not all-reduced, and its ``.grad`` stay as they were: DDP's option of the same
-    #: name. The unused set must be the same on every rank, as in DDP (a rank that skips a
-    #: bucket its peers reduce pairs its next collective with theirs: ``debug=True`` names it)
+    #: name. Only the buckets unused on every rank are skipped: the ranks agree on them with
+    #: one small allreduce per step (DDP requires the same unused set on every rank)
     skip_all_reduce_unused_params: bool = False
     #: the graph (used parameters, hook order) is the same every iteration: the unused set
     #: is recorded once and the buckets are rebuilt even with unused parameters

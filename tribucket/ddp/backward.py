@@ -23,6 +23,7 @@ import time
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from .._epilogue import Epilogue
 from .._shard import shard_buckets
@@ -73,6 +74,8 @@ class Backward:
         self.sync_enabled = True               # False inside no_sync()
         self.fwd_sync: bool | None = None      # decision of the last grad-enabled forward
         self.unused: list[int] = []            # parameters the last forward did not reach
+        self.skip_pending = None               # skip_all_reduce_unused_params: the forward's
+        # agreement on the buckets to skip, until the backward takes it
         self.static_counts: list[int] | None = None  # static_graph: hooks per parameter
         self.static_used: list | None = None   # static_graph: global used map
         self.ready_order: list[int] = []       # first synced pass: gradient-ready order
@@ -217,20 +220,72 @@ class Backward:
         if cfg.static_graph and self.static_counts is None:
             return
         if cfg.skip_all_reduce_unused_params and not p.shadow:
-            p.skip = self._skippable()  # (before the unused are counted in and launch)
+            p.skip = self._skippable(p)  # (before the unused are counted in and launch)
         if cfg.static_graph or cfg.find_unused_parameters:
             for i in self.unused:
                 self._mark_ready(p, i)
 
-    def _skippable(self) -> frozenset:
-        """``skip_all_reduce_unused_params``: the buckets whose every parameter the last
-        forward left unused and that got no gradient in a ``no_sync`` pass since the last
-        averaged one (DDP's locally unused)."""
+    def start_skip_agreement(self) -> None:
+        """``skip_all_reduce_unused_params``, after a synchronised forward: the buckets whose
+        every parameter it left unused and that got no gradient in a ``no_sync`` pass since
+        the last averaged one (DDP's locally unused). Only those unused on every rank are
+        skipped: a bucket one rank skipped and another sent would pair the sender's
+        allreduce with the skipper's next collective (DDP requires the same unused set on
+        every rank instead). So this starts an allreduce of a flag per bucket, here, so that
+        it runs while the loss and the first layers' backward do; :meth:`_agree_skip` waits
+        for it when a bucket of this rank's set is reached."""
+        self._drop_skip_agreement()  # a forward that no backward followed
         unused = set(self.unused)
         if self.nosync_used is not None:
             unused -= {i for i, f in enumerate(self.nosync_used) if f}
-        return frozenset(b.index for b in self.buckets
-                         if all(i in unused for i in b.indices))
+        specs = self.layout.buckets
+        skip = frozenset(b for b, spec in enumerate(specs)
+                         if all(i in unused for i in spec.indices))
+        work = flags = None
+        if self.world_size > 1:  # (every step: a rank cannot tell whether a peer skips)
+            flags = torch.tensor([int(b not in skip) for b in range(len(specs))],
+                                 dtype=torch.int32).to(self.guard.device)
+            work = dist.all_reduce(flags, group=self.guard.group_arg(), async_op=True)
+        self.skip_pending = (self.layout, skip, work, flags)
+
+    def _drop_skip_agreement(self) -> None:
+        pending, self.skip_pending = self.skip_pending, None
+        if pending is not None and pending[2] is not None:
+            self.guard.wait(pending[2], "the agreement on the buckets no rank used",
+                            self.passes)
+
+    def _skippable(self, p: Pass) -> frozenset:
+        """This pass's share of :meth:`start_skip_agreement` (started now if the forward's
+        was for another layout)."""
+        if self.skip_pending is None or self.skip_pending[0] is not self.layout:
+            self.start_skip_agreement()
+        _, skip, work, flags = self.skip_pending
+        self.skip_pending = None
+        p.skip_agreement = None if work is None else (work, flags)
+        return skip
+
+    def _agree_skip(self, p: Pass) -> None:
+        """Wait for the agreement :meth:`_skippable` started (once a pass, as late as the
+        first bucket that needs it, so that it overlaps backward): the buckets to skip are
+        those no rank needed. A bucket this rank had left out of its eager packing is
+        packed in full at its launch."""
+        if p.skip_agreement is None:
+            return
+        work, flags = p.skip_agreement
+        p.skip_agreement = None
+        self.guard.wait(work, "the agreement on the buckets no rank used", p.iteration)
+        needed = flags.tolist()
+        p.skip = frozenset(b for b in p.skip if needed[b] == 0)
+
+    def _launch(self, p: Pass, bucket) -> None:
+        """Pack and communicate ``bucket``, or skip it (every parameter unused, every
+        rank)."""
+        if bucket.index in p.skip:
+            self._agree_skip(p)
+        if bucket.index in p.skip:
+            bucket.skip()
+        else:
+            bucket.launch(p, self.comm)
 
     def _mark_ready(self, p: Pass, index: int) -> None:
         self.grad_hooks[index].mark(p)
@@ -254,13 +309,6 @@ class Backward:
             p.next_bucket += 1
         if p.next_bucket < len(buckets) and buckets[p.next_bucket].chunked:
             buckets[p.next_bucket].send_ready_chunks(p, comm)
-
-    def _launch(self, p: Pass, bucket) -> None:
-        """Pack and communicate ``bucket``, or skip it (every parameter unused)."""
-        if bucket.index in p.skip:
-            bucket.skip()
-        else:
-            bucket.launch(p, self.comm)
 
     # ------------------------------------------------------------------ buckets
     def allocate(self) -> None:
@@ -331,6 +379,7 @@ class Backward:
         for b in range(p.next_bucket, len(self.buckets)):
             self._launch(p, self.buckets[b])
         p.next_bucket = len(self.buckets)
+        self._agree_skip(p)
         self.stats.buckets_skipped = len(p.skip)
 
         results, status, self.stats.status_check_s = self._exchange_status(
@@ -477,11 +526,13 @@ class Backward:
     def finish_in_flight(self) -> Exception | None:
         """``close()``: settle the pass left unfinished (see :meth:`settle_abandoned`) so no
         peer is left waiting; the error that raised, if any."""
-        if self.pass_ is None or self.guard.failed:
-            self.pass_ = None
+        if self.guard.failed:
+            self.pass_ = self.skip_pending = None
             return None
         try:
-            self.settle_abandoned()
+            if self.pass_ is not None:
+                self.settle_abandoned()
+            self._drop_skip_agreement()  # a forward that no backward followed
         except Exception as e:  # noqa: BLE001 - reported by close()
             return e
         return None

@@ -102,6 +102,8 @@ class Forward:
         if sync and self.config.dynamic_unused:
             reached = reachable_parameters(outs)
             bw.unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+            if self.config.skip_all_reduce_unused_params:
+                bw.start_skip_agreement()
         # queue the end-of-backward callback from the outermost backward that reaches
         # an output (a hook on the parameters could fire inside a reentrant backward). A
         # hook on the tensor itself, registered before any the user adds to the output: it
