@@ -5,15 +5,18 @@ At least 30 random models in CI; set TRIBUCKET_RANDOM_MODELS=500 for a longer lo
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tribucket
 from models import RandomNet, loss_of
+from test_hooks import _bf16_renamed
 from test_reducer import TOL
 
 N_MODELS = int(os.environ.get("TRIBUCKET_RANDOM_MODELS", "30"))
@@ -52,10 +55,22 @@ def model_specs(draw):
     # reference runs without it, as DDP's option needs the same set on every rank)
     if config["find_unused_parameters"] and draw(st.booleans()):
         config["skip_all_reduce_unused_params"] = True
-    return spec, config
+    # how the loop trains: micro-batches accumulated under no_sync() before the synchronised
+    # one, and a comm hook of torch's, registered on both (fused compression has no
+    # full-precision bucket for .grad to view)
+    loop = dict(micro=draw(st.integers(1, 3)),
+                hook=draw(st.sampled_from([None, None, "fp16", "bf16"])))
+    if loop["hook"] is not None:
+        config["gradient_as_bucket_view"] = False
+    return spec, config, loop
 
 
-def _random_parity(spec, config, steps=3):
+_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+# (DDP refuses a hook named bf16_compress_hook without CUDA and NCCL: the same code renamed)
+_DDP_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": _bf16_renamed}
+
+
+def _random_parity(spec, config, loop, steps=3):
     rank = dist.get_rank()
     torch.manual_seed(rank)
     mine = RandomNet(spec)
@@ -63,14 +78,24 @@ def _random_parity(spec, config, steps=3):
     theirs = RandomNet(spec)
     ddp = DDP(theirs, **{k: v for k, v in config.items()
                          if k != "skip_all_reduce_unused_params"})
+    ours = dict(config)
+    if loop["micro"] > 1 and config["broadcast_buffers"]:
+        ours["broadcast_buffers"] = "ddp"  # DDP's rule around no_sync forwards
     opt_a = torch.optim.SGD([p for p in mine.parameters() if p.requires_grad], lr=0.1)
     opt_b = torch.optim.SGD([p for p in theirs.parameters() if p.requires_grad], lr=0.1)
-    with tribucket.fused_bucketing(mine, **config):
+    with tribucket.fused_bucketing(mine, **ours) as reducer:
+        if loop["hook"] is not None:
+            reducer.register_comm_hook(None, _HOOKS[loop["hook"]])
+            ddp.register_comm_hook(None, _DDP_HOOKS[loop["hook"]])
         for step in range(steps):
-            g = torch.Generator().manual_seed(100 * rank + step)
-            x = torch.randn(4, spec["widths"][0], generator=g)
-            loss_of(mine(x)).backward()
-            loss_of(ddp(x)).backward()
+            for micro in range(loop["micro"]):
+                g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+                x = torch.randn(4, spec["widths"][0], generator=g)
+                last = micro == loop["micro"] - 1
+                with contextlib.nullcontext() if last else reducer.no_sync():
+                    loss_of(mine(x)).backward()
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    loss_of(ddp(x)).backward()
             for (n, a), b in zip(mine.named_parameters(), theirs.parameters()):
                 assert (a.grad is None) == (b.grad is None), f"step {step} {n}: .grad presence"
                 if a.grad is not None:
@@ -92,5 +117,5 @@ def _random_parity(spec, config, steps=3):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(model_specs())
 def test_random_models_match_ddp(dist_run, case):
-    spec, config = case
-    assert dist_run(_random_parity, spec, config, world_size=2) == [True, True]
+    spec, config, loop = case
+    assert dist_run(_random_parity, spec, config, loop, world_size=2) == [True, True]
