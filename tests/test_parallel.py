@@ -524,3 +524,38 @@ def _pickle_roundtrip():
 def test_pickled_wrapper_trains_as_ddp(dist_run):
     g0, g1 = dist_run(_pickle_roundtrip)
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+# ------------------------------------------- static_graph with no_sync in the first step
+def _static_graph_no_sync_first():
+    """``static_graph=True`` whose first iterations accumulate under ``no_sync``: the
+    gradients equal DDP's without ``static_graph`` (DDP with it fails an internal assert,
+    ``expect_autograd_hooks_``, when its first backward runs under ``no_sync``), and the
+    static graph's hook counts are learned at the first synchronised backward."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ours = tribucket.DistributedDataParallel(build("mlp"), static_graph=True,
+                                             bucket_cap_mb=0.05)
+    torch.manual_seed(0)
+    theirs = DDP(build("mlp"), bucket_cap_mb=0.05)
+    for step in range(4):
+        for micro in range(3):
+            x = batch("mlp", rank, 10 * step + micro)
+            for m in (ours, theirs):
+                with contextlib.nullcontext() if micro == 2 else m.no_sync():
+                    loss_of(m(x)).backward()
+        for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+        for m in (ours, theirs):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+    out = ours.reducer.logging_data()["rebuilt_bucket_sizes"] is not None
+    ours.close()
+    return out
+
+
+def test_static_graph_with_no_sync_from_the_first_step(dist_run):
+    assert dist_run(_static_graph_no_sync_first) == [True, True]

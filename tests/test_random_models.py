@@ -55,11 +55,19 @@ def model_specs(draw):
     # reference runs without it, as DDP's option needs the same set on every rank)
     if config["find_unused_parameters"] and draw(st.booleans()):
         config["skip_all_reduce_unused_params"] = True
+    # a graph that is the same every iteration may say so (DDP's static_graph: not with the
+    # data-dependent branches, nor with skipping, which it refuses)
+    if not (spec["branch"] or spec["sometimes"] or config.get("skip_all_reduce_unused_params")):
+        config["static_graph"] = draw(st.booleans())
     # how the loop trains: micro-batches accumulated under no_sync() before the synchronised
     # one, and a comm hook of torch's, registered on both (fused compression has no
     # full-precision bucket for .grad to view)
     loop = dict(micro=draw(st.integers(1, 3)),
-                hook=draw(st.sampled_from([None, None, "fp16", "bf16"])))
+                hook=draw(st.sampled_from([None, None, "fp16", "bf16"])),
+                # tribucket's own choices of how a gradient gets into its bucket: they must
+                # not change a value
+                pack_on_ready=draw(st.sampled_from([None, True, False])),
+                native_hooks=draw(st.sampled_from([None, False])))
     if loop["hook"] is not None:
         config["gradient_as_bucket_view"] = False
     return spec, config, loop
@@ -78,7 +86,7 @@ def _random_parity(spec, config, loop, steps=3):
     theirs = RandomNet(spec)
     ddp = DDP(theirs, **{k: v for k, v in config.items()
                          if k != "skip_all_reduce_unused_params"})
-    ours = dict(config)
+    ours = dict(config, pack_on_ready=loop["pack_on_ready"], native_hooks=loop["native_hooks"])
     if loop["micro"] > 1 and config["broadcast_buffers"]:
         ours["broadcast_buffers"] = "ddp"  # DDP's rule around no_sync forwards
     opt_a = torch.optim.SGD([p for p in mine.parameters() if p.requires_grad], lr=0.1)
@@ -88,10 +96,13 @@ def _random_parity(spec, config, loop, steps=3):
             reducer.register_comm_hook(None, _HOOKS[loop["hook"]])
             ddp.register_comm_hook(None, _DDP_HOOKS[loop["hook"]])
         for step in range(steps):
-            for micro in range(loop["micro"]):
+            # (DDP with static_graph fails an internal assert when its first backward runs
+            # under no_sync: that one step synchronises every micro-batch)
+            micros = 1 if step == 0 and config.get("static_graph") else loop["micro"]
+            for micro in range(micros):
                 g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
                 x = torch.randn(4, spec["widths"][0], generator=g)
-                last = micro == loop["micro"] - 1
+                last = micro == micros - 1
                 with contextlib.nullcontext() if last else reducer.no_sync():
                     loss_of(mine(x)).backward()
                 with contextlib.nullcontext() if last else ddp.no_sync():
