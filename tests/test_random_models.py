@@ -67,7 +67,21 @@ def model_specs(draw):
                 # tribucket's own choices of how a gradient gets into its bucket: they must
                 # not change a value
                 pack_on_ready=draw(st.sampled_from([None, True, False])),
-                native_hooks=draw(st.sampled_from([None, False])))
+                native_hooks=draw(st.sampled_from([None, False])),
+                # and how it sends them: a first bucket of its own cap (where the caps are
+                # not a list), buckets sent in pieces as they fill (not with skipping)
+                first_bucket_cap_mb=(draw(st.sampled_from([None, 0.0001, 0.001]))
+                                     if config.get("bucket_cap_mb_list") is None else None),
+                comm_chunk_mb=(draw(st.sampled_from([None, None, 0.0001]))
+                               if not config.get("skip_all_reduce_unused_params") else None),
+                # three ranks sum in another order than DDP's where the layouts differ
+                # (first_bucket_cap_mb, the status tail): fp32 only, no 16-bit hook (in
+                # bf16 or fp16 that is an ulp of 1e-3, and a weight before a 1-wide
+                # BatchNorm gets a gradient that is rounding noise: the norm undoes its
+                # scale); test_hooks covers the hooks on three ranks with DDP's layout
+                world_size=2)
+    if all(d == torch.float32 for d in spec["dtypes"]) and loop["hook"] is None:
+        loop["world_size"] = draw(st.sampled_from([2, 2, 3]))
     if loop["hook"] is not None:
         config["gradient_as_bucket_view"] = False
     return spec, config, loop
@@ -78,15 +92,24 @@ _HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_c
 _DDP_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": _bf16_renamed}
 
 
+def _tol(dtype: torch.dtype, world: int) -> dict:
+    """Two ranks' sum is one addition, the same in any order, and halving is exact: tight
+    tolerances. Three ranks' sums (fp32 models only) round differently where an element
+    sits elsewhere in gloo's ring chunks (tribucket's last bucket carries its status in a
+    tail)."""
+    return TOL[dtype] if world == 2 else dict(rtol=1e-4, atol=1e-5)
+
+
 def _random_parity(spec, config, loop, steps=3):
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
     mine = RandomNet(spec)
     torch.manual_seed(rank)
     theirs = RandomNet(spec)
     ddp = DDP(theirs, **{k: v for k, v in config.items()
                          if k != "skip_all_reduce_unused_params"})
-    ours = dict(config, pack_on_ready=loop["pack_on_ready"], native_hooks=loop["native_hooks"])
+    ours = dict(config, **{k: loop[k] for k in ("pack_on_ready", "native_hooks",
+                                                "first_bucket_cap_mb", "comm_chunk_mb")})
     if loop["micro"] > 1 and config["broadcast_buffers"]:
         ours["broadcast_buffers"] = "ddp"  # DDP's rule around no_sync forwards
     opt_a = torch.optim.SGD([p for p in mine.parameters() if p.requires_grad], lr=0.1)
@@ -110,7 +133,7 @@ def _random_parity(spec, config, loop, steps=3):
             for (n, a), b in zip(mine.named_parameters(), theirs.parameters()):
                 assert (a.grad is None) == (b.grad is None), f"step {step} {n}: .grad presence"
                 if a.grad is not None:
-                    torch.testing.assert_close(a.grad, b.grad, **TOL[a.dtype],
+                    torch.testing.assert_close(a.grad, b.grad, **_tol(a.dtype, world),
                                                msg=lambda m: f"step {step} {n}: {m}")
             opt_a.step()
             opt_b.step()
@@ -118,7 +141,8 @@ def _random_parity(spec, config, loop, steps=3):
             opt_b.zero_grad()
         for (n, a), b in zip(mine.state_dict().items(), theirs.state_dict().values()):
             if a.is_floating_point():
-                torch.testing.assert_close(a, b, **TOL[a.dtype], msg=lambda m: f"{n}: {m}")
+                torch.testing.assert_close(a, b, **_tol(a.dtype, world),
+                                           msg=lambda m: f"{n}: {m}")
             else:
                 assert torch.equal(a, b), n
     return True
@@ -129,4 +153,5 @@ def _random_parity(spec, config, loop, steps=3):
 @given(model_specs())
 def test_random_models_match_ddp(dist_run, case):
     spec, config, loop = case
-    assert dist_run(_random_parity, spec, config, loop, world_size=2) == [True, True]
+    world = loop["world_size"]
+    assert dist_run(_random_parity, spec, config, loop, world_size=world) == [True] * world
