@@ -469,3 +469,42 @@ def test_reducer_records_device_spans_per_bucket(dist_run, tmp_path):
             assert pack["ts"] + pack["dur"] <= coll["ts"] < coll["ts"] + coll["dur"]
             assert coll["ts"] + coll["dur"] <= unpack["ts"]  # the callback ran before the wait
             assert coll["args"]["bytes"] == pack["args"]["bytes"] > 0
+
+
+def _traced_skip(path):
+    """``skip_all_reduce_unused_params`` traced: ``_Switch``'s ``b`` used in the last step only
+    on rank 1, ``c`` never; the agreement's wait and the buckets' spans of the last step."""
+    import tribucket
+    from test_parallel import _Switch
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _Switch()
+    with tribucket.fused_bucketing(model, find_unused_parameters=True, trace=path,
+                                   skip_all_reduce_unused_params=True,
+                                   bucket_cap_mb=4096 / 2**20) as reducer:
+        for step in range(3):
+            x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank + 10 * step))
+            model(x, use_b=step == 2 and rank == 1).square().mean().backward()
+        where = {name: reducer._bw.layout.locate(i)[0]
+                 for i, (name, _) in enumerate(model.named_parameters())}
+    return reducer.trace_path, where
+
+
+@pytest.mark.dist
+def test_skip_agreement_is_traced(dist_run, tmp_path):
+    (path, where), _ = dist_run(_traced_skip, str(tmp_path), world_size=2)
+    doc = trace.load(path)
+    trace.validate(doc)
+    events = [e for e in doc["traceEvents"] if e.get("ph") in ("X", "i")]
+    last = max(e["args"]["step"] for e in events if e["name"] == "backward")
+    for pid in (0, 1):
+        mine = [e for e in events if e["pid"] == pid and e["args"].get("step") == last]
+        waits = [e for e in mine if e["name"] == "skip_agreement.wait"]
+        bwd = next(e for e in mine if e["name"] == "backward")
+        assert len(waits) == 1, waits  # once a step, inside its backward
+        assert bwd["ts"] <= waits[0]["ts"] + 1 and \
+            waits[0]["ts"] + waits[0]["dur"] <= bwd["ts"] + bwd["dur"] + 1
+        sent = {e["args"]["bucket"] for e in mine if e["name"].endswith(".allreduce")}
+        # a and b (rank 1 used it) are averaged on both ranks; c, unused everywhere, is not
+        assert sent == {where["a.weight"], where["b.weight"]}, (sent, where)

@@ -273,8 +273,12 @@ class Backward:
             return
         work, flags = p.skip_agreement
         p.skip_agreement = None
+        tr = self.comm.tracer
+        rec = None if tr is None else tr.begin("skip_agreement.wait")
         self.guard.wait(work, "the agreement on the buckets no rank used", p.iteration)
         needed = flags.tolist()
+        if rec is not None:
+            tr.end(rec)
         p.skip = frozenset(b for b in p.skip if needed[b] == 0)
 
     def _launch(self, p: Pass, bucket) -> None:
