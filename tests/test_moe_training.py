@@ -32,16 +32,22 @@ AUX, Z = 0.1, 0.01  # aux and z loss coefficients (both reach the router's gradi
 
 
 class _Net(nn.Module):
-    """in -> ReLU -> MoE -> head; ``moe`` is an MoELayer, or (reference) router + experts."""
+    """in -> ReLU -> MoE -> head; ``moe`` is an MoELayer, or (reference) router + experts.
+    ``side``: a layer before the head that runs only when the batch's first entry is
+    positive, so the ranks leave different parameters unused."""
 
-    def __init__(self, moe: nn.Module, seed: int):
+    def __init__(self, moe: nn.Module, seed: int, side: bool = False):
         super().__init__()
         torch.manual_seed(seed)
         self.inp, self.head = nn.Linear(D, D), nn.Linear(D, D)
+        self.side = nn.Linear(D, D) if side else None
         self.moe = moe
 
     def forward(self, x):
-        return self.head(self.moe(torch.relu(self.inp(x))))
+        h = self.moe(torch.relu(self.inp(x)))
+        if self.side is not None and x[0, 0] > 0:
+            h = h + self.side(h)
+        return self.head(h)
 
 
 class _DenseMoE(nn.Module):
@@ -69,7 +75,7 @@ def _data(seed: int, rank: int, step: int, micro: int = 0):
     return torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
 
 
-def _models(ep_size: int, L: int, seed: int, ep, replicas):
+def _models(ep_size: int, L: int, seed: int, ep, replicas, side: bool = False):
     """``(model, ref, first)``: this rank's distributed model (its experts from global index
     ``first``, every rank's copies a bit off so entering must broadcast) and the dense
     reference with every expert."""
@@ -78,13 +84,13 @@ def _models(ep_size: int, L: int, seed: int, ep, replicas):
     torch.manual_seed(seed)
     router = nn.Linear(D, E, bias=False)
     experts = [_ffn(seed * 100 + e) for e in range(E)]
-    ref = _Net(_DenseMoE(copy.deepcopy(router), copy.deepcopy(experts)), seed)
+    ref = _Net(_DenseMoE(copy.deepcopy(router), copy.deepcopy(experts)), seed, side)
     first = dist.get_rank(ep) * L
     expert_src = dist.get_process_group_ranks(replicas)[0] if replicas is not None else rank
     local = [copy.deepcopy(experts[e]) for e in range(first, first + L)]
     layer = MoELayer(local, E, D, top_k=K, router=copy.deepcopy(router), group=ep,
                      replica_group=replicas, aux_loss_coef=AUX, z_loss_coef=Z)
-    model = _Net(layer, seed)
+    model = _Net(layer, seed, side)
     with torch.no_grad():  # off-by-a-bit copies on other ranks: entering must broadcast
         for p in model.parameters():
             expert = getattr(p, "_tribucket_expert_parallel", False)
@@ -117,6 +123,8 @@ def _wanted(ref, first: int, L: int) -> dict:
     """The reference's parameters under the distributed model's names (this rank's experts)."""
     want = {"inp.weight": ref.inp.weight, "inp.bias": ref.inp.bias, "head.weight": ref.head.weight,
             "head.bias": ref.head.bias, "moe.router.weight": ref.moe.router.weight}
+    if ref.side is not None:
+        want.update({"side.weight": ref.side.weight, "side.bias": ref.side.bias})
     for e in range(first, first + L):
         for n, p in ref.moe.experts[e].named_parameters():
             want[f"moe.experts.{e}.{n}"] = p
@@ -135,10 +143,10 @@ def _train_worker(case):
         ep, replicas = expert_data_parallel_groups_from_mesh(mesh)
     else:
         ep, replicas = expert_data_parallel_groups(ep_size)
-    model, ref, first = _models(ep_size, L, seed, ep, replicas)
+    model, ref, first = _models(ep_size, L, seed, ep, replicas, case.get("side", False))
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
-    norms = []
-    with tribucket.fused_bucketing(model) as reducer:
+    norms, side_used, skipped = [], [], []
+    with tribucket.fused_bucketing(model, **case.get("options", {})) as reducer:
         n_expert_reducers = len(reducer.expert_reducers)
         if case.get("expert_hook"):  # torch's own hook, given the replica group, on the experts
             reducer.expert_reducers[0].register_comm_hook(replicas, default_hooks.allreduce_hook)
@@ -147,6 +155,8 @@ def _train_worker(case):
                 x, t = _data(seed, rank, step, micro)
                 with reducer.no_sync() if micro < micros - 1 else contextlib.nullcontext():
                     (nn.functional.mse_loss(model(x), t) + aux_losses(model)).backward()
+            side_used.append(bool(x[0, 0] > 0))
+            skipped.append(reducer.stats.buckets_skipped)
             if max_norm is not None:
                 norms.append(tribucket.clip_grad_norm_(model, max_norm))
             opt.step()
@@ -158,7 +168,7 @@ def _train_worker(case):
     assert sorted(got) == sorted(want), (sorted(got), sorted(want))
     return {"got": {n: p.detach().clone() for n, p in got.items()}, "want": want,
             "norms": norms, "ref_norms": ref_norms, "expert_reducers": n_expert_reducers,
-            "synced": synced}
+            "synced": synced, "side_used": side_used, "skipped": skipped}
 
 
 def _check_training(results, case):
@@ -176,6 +186,14 @@ def _check_training(results, case):
             assert all(torch.equal(a, b) for a, b in zip(out["norms"], results[0]["norms"]))
     if case["max_norm"] is not None:  # the case must actually clip
         assert max(float(n) for n in results[0]["ref_norms"]) > case["max_norm"]
+    if case.get("side"):  # the case must leave the side layer unused on some ranks only,
+        # and on every rank at some step: its bucket is sent then skipped, alike everywhere
+        used = [[out["side_used"][step] for out in results] for step in range(case["steps"])]
+        assert any(any(u) and not all(u) for u in used), used
+        assert any(not any(u) for u in used), used
+        for step, u in enumerate(used):
+            counts = {out["skipped"][step] for out in results}
+            assert counts == ({2} if not any(u) else {0}), (step, u, counts)  # weight, bias
     dense = [n for n in results[0]["got"] if ".experts." not in n]
     for out in results[1:]:  # data-parallel parameters bit-identical across ranks
         assert all(torch.equal(out["got"][n], results[0]["got"][n]) for n in dense)
@@ -193,6 +211,12 @@ CASES = {
     # the groups from init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp")): EP groups
     # {0, 2} and {1, 3}, replica groups {0, 1} and {2, 3}
     "ep2xdp2_mesh": dict(ep_size=2, L=2, seed=6, steps=2, max_norm=0.15, mesh=True),
+    # a layer each rank runs only for some batches, and the buckets no rank used not sent:
+    # the reducers of both groups (world, replicas) agree on what to skip
+    "ep2xdp2_skip_unused": dict(ep_size=2, L=2, seed=10, steps=4, max_norm=None, side=True,
+                                options=dict(find_unused_parameters=True,
+                                             skip_all_reduce_unused_params=True,
+                                             bucket_cap_mb=1e-5)),  # a bucket a tensor
 }
 
 
@@ -247,10 +271,10 @@ def _clip_worker(norm_types):
     torch.manual_seed(seed)
     router = nn.Linear(D, E, bias=False)
     experts = [_ffn(seed * 100 + e) for e in range(E)]
-    ref = _Net(_DenseMoE(copy.deepcopy(router), copy.deepcopy(experts)), seed)
+    ref = _Net(_DenseMoE(copy.deepcopy(router), copy.deepcopy(experts)), seed, side)
     layer = MoELayer([copy.deepcopy(experts[e]) for e in range(rank * L, rank * L + L)], E, D,
                      top_k=K, router=copy.deepcopy(router), aux_loss_coef=AUX, z_loss_coef=Z)
-    model = _Net(layer, seed)
+    model = _Net(layer, seed, side)
     with tribucket.fused_bucketing(model):
         x, t = _data(seed, rank, 0)
         (nn.functional.mse_loss(model(x), t) + aux_losses(model)).backward()
