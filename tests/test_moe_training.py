@@ -271,10 +271,10 @@ def _clip_worker(norm_types):
     torch.manual_seed(seed)
     router = nn.Linear(D, E, bias=False)
     experts = [_ffn(seed * 100 + e) for e in range(E)]
-    ref = _Net(_DenseMoE(copy.deepcopy(router), copy.deepcopy(experts)), seed, side)
+    ref = _Net(_DenseMoE(copy.deepcopy(router), copy.deepcopy(experts)), seed)
     layer = MoELayer([copy.deepcopy(experts[e]) for e in range(rank * L, rank * L + L)], E, D,
                      top_k=K, router=copy.deepcopy(router), aux_loss_coef=AUX, z_loss_coef=Z)
-    model = _Net(layer, seed, side)
+    model = _Net(layer, seed)
     with tribucket.fused_bucketing(model):
         x, t = _data(seed, rank, 0)
         (nn.functional.mse_loss(model(x), t) + aux_losses(model)).backward()
