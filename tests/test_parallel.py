@@ -402,7 +402,8 @@ def _skip_unused_vs_ddp(**extra):
 
 
 @pytest.mark.parametrize("extra", [{}, dict(gradient_as_bucket_view=True, pack_on_ready=True),
-                                   dict(pack_on_ready=True)], ids=["default", "view", "eager"])
+                                   dict(pack_on_ready=True), dict(comm_chunk_mb=0.001)],
+                         ids=["default", "view", "eager", "chunks"])
 def test_skip_all_reduce_unused_params_as_ddp(dist_run, extra):
     for reduced, (ours, theirs) in dist_run(_skip_unused_vs_ddp, **extra):
         counts = [n for n, _ in reduced]
@@ -433,7 +434,7 @@ def test_skip_all_reduce_unused_params_averages_no_sync_gradients(dist_run):
         assert reduced == [1, 2, 1], reduced  # b's no_sync gradient is averaged, then skipped
 
 
-def _skip_unused_differs_across_ranks():
+def _skip_unused_differs_across_ranks(**extra):
     """``skip_all_reduce_unused_params=True`` where the forward leaves a bucket unused on one
     rank and not on the other: the ranks agree before the first bucket, so that bucket is
     averaged (the unused rank contributing zeros), as by DDP without the option; a bucket
@@ -442,7 +443,7 @@ def _skip_unused_differs_across_ranks():
     kw = dict(find_unused_parameters=True, bucket_cap_mb=4096 / 2**20)
     torch.manual_seed(0)
     ours = tribucket.DistributedDataParallel(_Switch(), skip_all_reduce_unused_params=True,
-                                             timeout=timedelta(seconds=30), **kw)
+                                             timeout=timedelta(seconds=30), **kw, **extra)
     torch.manual_seed(0)
     theirs = DDP(_Switch(), **kw)
     reduced = _switch_steps(ours, theirs, [(False, True), ((True, False), True), (False, True),
@@ -451,8 +452,9 @@ def _skip_unused_differs_across_ranks():
     return [n for n, _ in reduced]
 
 
-def test_skip_all_reduce_unused_params_unused_set_differs_across_ranks(dist_run):
-    for reduced in dist_run(_skip_unused_differs_across_ranks):
+@pytest.mark.parametrize("extra", [{}, dict(comm_chunk_mb=0.001)], ids=["default", "chunks"])
+def test_skip_all_reduce_unused_params_unused_set_differs_across_ranks(dist_run, extra):
+    for reduced in dist_run(_skip_unused_differs_across_ranks, **extra):
         assert reduced == [1, 2, 1, 2, 2], reduced  # b unless no rank used it; c never
 
 
@@ -462,9 +464,7 @@ def _skip_refusals():
                    dict(skip_all_reduce_unused_params=True, find_unused_parameters=True,
                         static_graph=True),
                    dict(skip_all_reduce_unused_params=True, find_unused_parameters=True,
-                        shard_optimizer=True),
-                   dict(skip_all_reduce_unused_params=True, find_unused_parameters=True,
-                        comm_chunk_mb=1)):
+                        shard_optimizer=True)):
         try:
             tribucket.ReducerConfig(**kwargs)
             out.append(None)
@@ -485,7 +485,7 @@ def test_skip_all_reduce_unused_params_refusals(dist_run):
     msgs = dist_run(_skip_refusals)[0]
     assert all(m is not None and "skip_all_reduce_unused_params" in m for m in msgs), msgs
     for m, word in zip(msgs, ("find_unused_parameters=True", "static_graph", "shard_optimizer",
-                              "comm_chunk_mb", "Join")):
+                              "Join")):
         assert word in m, (word, m)
 
 

@@ -69,11 +69,10 @@ def model_specs(draw):
                 pack_on_ready=draw(st.sampled_from([None, True, False])),
                 native_hooks=draw(st.sampled_from([None, False])),
                 # and how it sends them: a first bucket of its own cap (where the caps are
-                # not a list), buckets sent in pieces as they fill (not with skipping)
+                # not a list), buckets sent in pieces as they fill
                 first_bucket_cap_mb=(draw(st.sampled_from([None, 0.0001, 0.001]))
                                      if config.get("bucket_cap_mb_list") is None else None),
-                comm_chunk_mb=(draw(st.sampled_from([None, None, 0.0001]))
-                               if not config.get("skip_all_reduce_unused_params") else None),
+                comm_chunk_mb=draw(st.sampled_from([None, None, 0.0001])),
                 # three ranks sum in another order than DDP's where the layouts differ
                 # (first_bucket_cap_mb, the status tail): fp32 only, no 16-bit hook (in
                 # bf16 or fp16 that is an ulp of 1e-3, and a weight before a 1-wide

@@ -200,9 +200,6 @@ class ReducerConfig:
         elif self.shard_optimizer:
             why = ("it is not supported with shard_optimizer=True (every bucket is "
                    "reduce-scattered into the optimizer's shards)")
-        elif self.comm_chunk_mb:
-            why = ("it is not supported with comm_chunk_mb (chunks go out before the bucket "
-                   "is complete); leave comm_chunk_mb unset")
         if why is not None:
             raise ValueError(f"skip_all_reduce_unused_params=True: {why}")
 

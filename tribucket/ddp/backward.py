@@ -311,7 +311,8 @@ class Backward:
         while p.next_bucket < len(buckets) and buckets[p.next_bucket].state == BucketState.READY:
             self._launch(p, buckets[p.next_bucket])
             p.next_bucket += 1
-        if p.next_bucket < len(buckets) and buckets[p.next_bucket].chunked:
+        if (p.next_bucket < len(buckets) and buckets[p.next_bucket].chunked
+                and p.next_bucket not in p.skip):  # (a bucket this rank may skip: at its end)
             buckets[p.next_bucket].send_ready_chunks(p, comm)
 
     # ------------------------------------------------------------------ buckets

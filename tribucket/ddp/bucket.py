@@ -116,8 +116,8 @@ class GradHook:
         bucket.pending -= 1
         if bucket.pending == 0:
             bw.bucket_complete(p, bucket)
-        elif bucket.chunked and bucket.index == p.next_bucket:
-            bucket.send_ready_chunks(p, bw.comm)
+        elif bucket.chunked and bucket.index == p.next_bucket and bucket.index not in p.skip:
+            bucket.send_ready_chunks(p, bw.comm)  # (one this rank may skip waits for its end)
 
     def detach(self) -> None:
         self.ref = _no_reducer
