@@ -73,6 +73,8 @@ def _worker_main(rank: int, world_size: int, init_file: str, log_path: str, task
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+    # a crash (SIGSEGV, SIGABRT...) leaves every thread's Python stack in the log too
+    faulthandler.enable(file=log, all_threads=True)
     import torch.distributed as dist
 
     torch.set_num_threads(1)
