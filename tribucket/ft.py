@@ -101,9 +101,9 @@ def _refuse(module: nn.Module, process_group, options: dict) -> None:
     if options.get("skip_all_reduce_unused_params"):
         raise ValueError(
             "fused_bucketing(manager=...) does not support skip_all_reduce_unused_params=True: "
-            "replica groups train on different data and may leave different parameters "
-            "unused, and a bucket one group skips while another sends it would pair the "
-            "manager's allreduces wrongly; leave it off")
+            "the ranks agree on the buckets to skip with an allreduce of their own, which "
+            "would have to go through the manager's fault-tolerant allreduce (a replica group "
+            "that fails or joins mid-step must not leave the others waiting); leave it off")
     if options.get("comm_chunk_mb"):
         raise ValueError(
             f"fused_bucketing(manager=...) does not support comm_chunk_mb="
