@@ -345,7 +345,7 @@ def _check_parity(case: dict) -> None:
     K, L, kind, seed = case["k"], case["L"], case["kind"], case["seed"]
     dev = torch.device(case.get("device", "cpu"))  # drawn on the CPU, then moved: same values
     E = W * L
-    tokens = [9 + 4 * r for r in range(W)]
+    tokens = case.get("tokens", [9 + 4 * r for r in range(W)])
     experts = [m.to(dev) for m in _experts(kind, E, seed)]
     torch.manual_seed(seed + 1)
     router = nn.Linear(D, E, bias=False).to(dev)
@@ -394,8 +394,11 @@ def _check_parity(case: dict) -> None:
             x_ref, y_ref, my_router, my_shared, my_gate = xr, yr, ref_router, ref_shared, ref_gate
     total.backward()
     _close("y", y, y_ref.detach(), atol=1e-5, rank=rank)
-    _close("x.grad", x.grad, x_ref.grad, atol=1e-5, rank=rank)
-    _close("router grad", layer.router.weight.grad, my_router.weight.grad, atol=1e-5, rank=rank)
+    # (a rank without tokens, at top-1: the reference's y depends on neither x nor the
+    # router; the layer's gradients are zeros)
+    _close("x.grad", x.grad, _or_zeros(x_ref.grad, x_ref), atol=1e-5, rank=rank)
+    _close("router grad", layer.router.weight.grad,
+           _or_zeros(my_router.weight.grad, my_router.weight), atol=1e-5, rank=rank)
     for i, (m, ref) in enumerate(zip(layer.shared_experts or [], my_shared)):
         for (n, p), q in zip(m.named_parameters(), ref.parameters()):
             _close(f"shared {i} {n}.grad", p.grad, q.grad, atol=1e-5, rank=rank)
@@ -413,6 +416,10 @@ def _check_parity(case: dict) -> None:
         for k in ref_grads:
             want = ref_grads[k] if ref_grads[k] is not None else torch.zeros_like(got[k])
             _close(f"expert {e} {k}.grad", got[k], want, atol=1e-5, rank=rank)
+
+
+def _or_zeros(grad, like):
+    return grad if grad is not None else torch.zeros_like(like)
 
 
 _STACKED = {"w1.weight": "w1", "w2.weight": "w2", "w3.weight": "w3", "w1.bias": "b1",
@@ -472,13 +479,39 @@ DEDUP_PARITY = [dict(case, dedup=True, deduplicated=True, seed=case["seed"] + 10
     dict(kind="swiglu", grouped=True, L=3, k=2, score="sigmoid", seed=33, dedup="auto",
          deduplicated=False),
     dict(kind="swiglu", grouped=True, L=3, k=3, score="sigmoid", bias=True, seed=32,
-         dedup=True, deduplicated=True)]
+         dedup=True, deduplicated=True),
+    # top-1 with a rank that has no token this step (its places column was a [0, 1] tensor
+    # of stride 0, which torch calls contiguous and would not reinterpret)
+    dict(kind="swiglu", grouped=True, L=2, k=1, seed=34, dedup=True, deduplicated=True,
+         tokens=[0, 6])]
 
 
 @pytest.mark.dist
 def test_deduplicated_dispatch_matches_dense_reference(dist_run):
     failures = sum(dist_run(_parity_worker, DEDUP_PARITY, world_size=2), [])
     assert not failures, "\n\n".join(failures)
+
+
+def test_deduplicated_rows_of_a_rank_without_tokens():
+    """A rank with no token packs ``[0, D + meta_cols]`` rows, at any top-k (top-1 made a
+    ``[0, 1]`` places tensor of stride 0 that could not be reinterpreted), and its backward
+    gives empty gradients."""
+    from tribucket.moe import dedup as _dedup
+    from tribucket.moe._slots import _route
+
+    W, L, E = 2, 2, 4
+    for K in (1, 2, 3):
+        ids_TK = torch.zeros(0, K, dtype=torch.int64)
+        dest_TK, sent_E, _ = _route(ids_TK, torch.zeros(E, dtype=torch.int64), None)
+        rank_TK, hit_TW, _ = _dedup.count_unique(ids_TK, dest_TK, L, W)
+        u = _dedup.plan_unique(ids_TK, dest_TK, sent_E, hit_TW, rank_TK, L, send_splits=(0, 0),
+                               recv_splits=(0, 0), row_dtype=torch.float32)
+        x = torch.zeros(0, D, requires_grad=True)
+        w = torch.zeros(0, K, requires_grad=True)
+        rows = _dedup.pack_rows(x, w, u, "auto")
+        assert rows.shape == (0, D + u.meta_cols), (K, rows.shape)
+        rows.sum().backward()
+        assert x.grad.shape == (0, D) and w.grad.shape == (0, K)
 
 
 def _dedup_against_per_slot_worker():

@@ -171,8 +171,10 @@ def _bits(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t``'s bytes read as ``dtype`` (the last dimension rescaled): how the fp32 weights and
     int64 places of :class:`UniqueRows` ride in columns of the rows' dtype, unchanged."""
     t = t.contiguous()
-    if (t.storage_offset() * t.element_size()) % dtype.itemsize:  # a column slice of one row
-        t = t.clone()
+    # a column slice of one row; or a last dimension of size 1 (or an empty tensor) with
+    # another stride than 1, which torch calls contiguous but will not reinterpret
+    if t.stride(-1) != 1 or (t.storage_offset() * t.element_size()) % dtype.itemsize:
+        t = t.clone(memory_format=torch.contiguous_format)
     return t.view(dtype)
 
 
