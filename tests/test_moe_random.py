@@ -2,7 +2,9 @@
 shared experts, schedule, dedup, shadowing...) and two training steps on 2 or 3 gloo ranks;
 every rank also computes the same steps densely (every expert here, a Python loop over
 experts, no permutation, no communication) and compares the layer's outputs, gradients,
-updated weights and routing biases with it.
+updated weights and routing biases with it. A second test trains the layer inside a model
+under ``fused_bucketing`` on 4 ranks, expert-parallel or expert x data parallel, with drawn
+reducer options and accumulation, against the same model written out densely.
 
 At least 40 random layers in CI; set TRIBUCKET_RANDOM_MOE=500 for a longer local run, and
 TRIBUCKET_RANDOM_MOE_SEARCH=1 to draw other layers than CI's.
@@ -10,22 +12,28 @@ TRIBUCKET_RANDOM_MOE_SEARCH=1 to draw other layers than CI's.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
 from fractions import Fraction
 
+import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 from torch import nn
 
-from tribucket.moe import GroupedExperts, MoELayer, SwiGLUExpert
+import tribucket
+from tribucket.moe import (GroupedExperts, MoELayer, SwiGLUExpert, aux_losses, balance_after_step,
+                           expert_data_parallel_groups)
 from test_moe_modern import _STACKED, D, F, _as_grouped_names, _experts, _tokens
+from test_moe_training import _Net
 
 N_LAYERS = int(os.environ.get("TRIBUCKET_RANDOM_MOE", "40"))
 # TRIBUCKET_RANDOM_MOE_SEARCH=1: new draws each run (CI draws the same layers every time)
 _DERANDOMIZE = not os.environ.get("TRIBUCKET_RANDOM_MOE_SEARCH")
+N_TRAININGS = int(os.environ.get("TRIBUCKET_RANDOM_MOE_TRAININGS", "15"))
 LR = 0.1
 
 
@@ -158,6 +166,22 @@ def _layer_grads(layer, case, l):
     return {k: v.grad for k, v in _as_grouped_names(layer.experts[str(e)]).items()}
 
 
+def _compare_experts(errors, layer, case, ref_experts, first, at):
+    """This rank's experts (global ``first`` on) against the reference's, after training."""
+    for l in range(case["L"]):
+        ref = dict(_as_grouped_names(ref_experts[first + l]))
+        if case["grouped"]:
+            got = {k: getattr(layer.experts, name) for k, name in _STACKED.items()}
+            got = {k: (p.detach()[l].t() if k.endswith("weight") else p.detach()[l])
+                   for k, p in got.items() if p is not None}
+        else:
+            got = {k: p.detach() for k, p in
+                   _as_grouped_names(layer.experts[str(first + l)]).items() if p is not None}
+        for k, p in got.items():
+            if ref.get(k) is not None:
+                errors.close(f"{at} expert {first + l} {k} after 2 steps", p, ref[k].detach())
+
+
 def _random_moe(case):
     rank, W = dist.get_rank(), dist.get_world_size()
     L, K, seed = case["L"], case["k"], case["seed"]
@@ -250,21 +274,7 @@ def _random_moe(case):
             bias_E = bias_E + 0.01 * torch.sign(load.mean() - load).float()
         if bias_E is not None:
             errors.close(f"{at} expert_bias after update", layer.expert_bias, bias_E)
-    for l in range(L):  # the weights after two steps
-        e = rank * L + l
-        ref = dict(_as_grouped_names(ref_experts[e]))
-        if case["grouped"]:
-            for k, name in _STACKED.items():
-                p = getattr(layer.experts, name)
-                if p is not None and ref.get(k) is not None:
-                    errors.close(f"rank {rank} expert {e} {k} after 2 steps",
-                                 p.detach()[l].t() if k.endswith("weight") else p.detach()[l],
-                                 ref[k].detach())
-        else:
-            for k, p in _as_grouped_names(layer.experts[str(e)]).items():
-                if p is not None:
-                    errors.close(f"rank {rank} expert {e} {k} after 2 steps", p.detach(),
-                                 ref[k].detach())
+    _compare_experts(errors, layer, case, ref_experts, rank * L, f"rank {rank}")
     errors.close(f"rank {rank} router after 2 steps", layer.router.weight.detach(),
                  per_rank[rank][0].weight.detach())
     return list(errors)
@@ -279,3 +289,180 @@ def _random_moe(case):
 def test_random_moe_layers_match_dense_reference(dist_run, case):
     failures = sum(dist_run(_random_moe, case, world_size=case["W"]), [])
     assert not failures, f"case {case}:\n" + "\n".join(failures[:12])
+
+
+# ---------------------------------------------------------------------------------------
+# the layer inside a model, under fused_bucketing, expert x data parallel
+# ---------------------------------------------------------------------------------------
+_GROUPS: dict = {}  # ep_size -> this worker's (ep, replica) groups, made once (all ranks alike)
+
+
+def _groups(ep_size: int):
+    if ep_size not in _GROUPS:
+        _GROUPS[ep_size] = expert_data_parallel_groups(ep_size)
+    return _GROUPS[ep_size]
+
+
+@st.composite
+def training_cases(draw):
+    """4 ranks: every expert once (EP 4) or twice (EP 2 x 2 replicas), a drawn layer, reducer
+    options and accumulation."""
+    ep = draw(st.sampled_from([2, 4]))
+    case = draw(moe_cases())
+    L, k = case["L"], case["k"]
+    E = ep * L
+    case.update(W=4, ep=ep, tokens=draw(st.lists(st.integers(0, 7), min_size=4, max_size=4)),
+                k=min(k, E), batched=False, grad_scale=None,
+                rate=draw(st.sampled_from([0.05, 0.3])),
+                micro=draw(st.integers(1, 2)),
+                bucket_cap_mb=draw(st.sampled_from([None, 0.0001])),
+                find_unused=draw(st.booleans()),
+                as_view=draw(st.booleans()))
+    if case.get("groups") and (E % case["groups"] or case["k"] > case["limited"] * (
+            E // case["groups"])):
+        case.pop("groups"), case.pop("limited")
+    if isinstance(case["shadow"], frozenset):
+        case["shadow"] = frozenset(e for e in case["shadow"] if e < E)
+    return case
+
+
+class _Dense(nn.Module):
+    """in -> ReLU -> the MoE layer written out (:func:`_reference`) -> head."""
+
+    def __init__(self, router, experts, shared, gate, case, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp, self.head = nn.Linear(D, D), nn.Linear(D, D)
+        self.router, self.experts = router, nn.ModuleList(experts)
+        self.shared, self.gate = nn.ModuleList(shared), gate
+        self.case = case
+        self.bias_E = torch.randn(len(experts)) * 0.3 if case["bias"] else None
+        self.load_E = torch.zeros(len(experts), dtype=torch.long)
+        self.aux = 0.0
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        y, self.aux, kept_E = _reference(h, self.router, list(self.experts), self.case, self.bias_E)
+        if len(self.shared):
+            s_TD = sum(m(h) for m in self.shared)
+            y = y + (s_TD * torch.sigmoid(self.gate(h)) if self.gate is not None else s_TD)
+        self.load_E += kept_E
+        return self.head(y)
+
+    def update_bias(self):
+        if self.bias_E is not None and int(self.load_E.sum()):
+            load = self.load_E.double()
+            self.bias_E = self.bias_E + self.case["rate"] * torch.sign(load.mean() - load).float()
+        self.load_E.zero_()
+
+
+def _loss(out, t):  # a sum, not a mean: a rank may have no token (a mean of nothing is NaN)
+    return ((out - t) ** 2).sum() * 0.1
+
+
+def _random_training(case):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    L, K, seed, ep_size = case["L"], case["k"], case["seed"], case["ep"]
+    E = ep_size * L
+    ep, replicas = _groups(ep_size)
+    experts = _experts(case["kind"], E, seed)
+    torch.manual_seed(seed + 1)
+    router = nn.Linear(D, E, bias=False)
+    shared = [SwiGLUExpert(D, F) for _ in range(case["shared"])]
+    gate = nn.Linear(D, 1, bias=False) if case["gate"] else None
+    ref = _Dense(copy.deepcopy(router), copy.deepcopy(experts), copy.deepcopy(shared),
+                 copy.deepcopy(gate), case, seed)
+    first = dist.get_rank(ep) * L
+    mine = [copy.deepcopy(experts[e]) for e in range(first, first + L)]
+    local = GroupedExperts.from_experts(mine, impl=case["impl"]) if case["grouped"] else mine
+    layer = MoELayer(local, E, D, top_k=K, router=copy.deepcopy(router), group=ep,
+                     replica_group=replicas, capacity_factor=case["capacity"],
+                     normalize_weights=case["normalize"], schedule=case["schedule"],
+                     group_size=case.get("group_size", 4), shadow_policy=case["shadow"],
+                     aux_loss_coef=case["aux"], z_loss_coef=case["z"], backend=case["backend"],
+                     shared_experts=copy.deepcopy(shared) or None, shared_gate=case["gate"],
+                     score_func=case["score"],
+                     bias_update_rate=case["rate"] if case["bias"] else None,
+                     num_expert_groups=case.get("groups"), num_limited_groups=case.get("limited"),
+                     route_scale=case["scale"], dedup=case["dedup"])
+    if gate is not None:
+        layer.shared_gate.load_state_dict(gate.state_dict())
+    if ref.bias_E is not None:
+        with torch.no_grad():
+            layer.expert_bias.copy_(ref.bias_E)
+    model = _Net(layer, seed)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    balance_after_step(opt, model)
+
+    def data(r, step, micro):
+        return _tokens(seed + 100 * step + 10 * micro, r, case["tokens"][(r + micro) % world])
+
+    errors = _Errors()
+    with tribucket.fused_bucketing(model, bucket_cap_mb=case["bucket_cap_mb"],
+                                   find_unused_parameters=case["find_unused"],
+                                   gradient_as_bucket_view=case["as_view"]) as reducer:
+        for step in range(2):
+            for micro in range(case["micro"]):
+                x, t = data(rank, step, micro)
+                last = micro == case["micro"] - 1
+                with contextlib.nullcontext() if last else reducer.no_sync():
+                    out = _loss(model(x), t)
+                    (out + aux_losses(model) if case.get("add_aux", True) else out).backward()
+            opt.step()
+            opt.zero_grad()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for step in range(2):  # every rank's micro-batches; DDP's mean over the ranks
+        total = 0.0
+        for r in range(world):
+            for micro in range(case["micro"]):
+                x, t = data(r, step, micro)
+                total = total + _loss(ref(x), t) + (ref.aux if case.get("add_aux", True) else 0.0)
+        (total / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref.update_bias()
+    want = {"inp.weight": ref.inp.weight, "inp.bias": ref.inp.bias, "head.weight": ref.head.weight,
+            "head.bias": ref.head.bias, "moe.router.weight": ref.router.weight}
+    if gate is not None:
+        want["moe.shared_gate.weight"] = ref.gate.weight
+    for i, m in enumerate(ref.shared):
+        for n, p in m.named_parameters():
+            want[f"moe.shared_experts.{i}.{n}"] = p
+    got = dict(model.named_parameters())
+    for n, p in want.items():
+        errors.close(f"rank {rank} {n} after 2 steps", got[n].detach(), p.detach())
+    _compare_experts(errors, layer, case, list(ref.experts), first, f"rank {rank}")
+    if ref.bias_E is not None:
+        errors.close(f"rank {rank} expert_bias after 2 steps", layer.expert_bias, ref.bias_E)
+    return list(errors)
+
+
+@settings(max_examples=N_TRAININGS, deadline=None, derandomize=_DERANDOMIZE,
+          phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(training_cases())
+def test_random_moe_training_matches_dense_reference(dist_run, case):
+    failures = sum(dist_run(_random_training, case, world_size=4), [])
+    assert not failures, f"case {case}:\n" + "\n".join(failures[:12])
+
+
+# top-1 with weights renormalised (exactly 1): the router reaches the loss only through the
+# layer's aux_loss, which the forward's output does not lead to
+_AUX_ONLY = dict(W=4, ep=2, L=2, kind="swiglu", grouped=True, impl="auto", k=1,
+                 tokens=[5, 6, 0, 3], batched=False, shared=0, gate=False, score="softmax",
+                 bias=False, scale=1.0, normalize=True, capacity=None, aux=0.01, z=1e-3,
+                 grad_scale=None, backend="auto", seed=5, schedule="alltoall", shadow=None,
+                 dedup=False, rate=0.05, micro=1, bucket_cap_mb=None, find_unused=True,
+                 as_view=False)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("add_aux", [True, False])
+def test_router_reached_only_through_the_aux_loss(dist_run, add_aux):
+    """With find_unused_parameters the reducer counts each MoE layer's aux_loss among the
+    forward's outputs: a router the loss reaches only through it is used (DDP, which sees
+    the returned output only, calls it unused and then fails on its gradient), and if the
+    loss leaves the aux loss out, unused, as any parameter the loss does not reach."""
+    failures = sum(dist_run(_random_training, dict(_AUX_ONLY, add_aux=add_aux), world_size=4),
+                   [])
+    assert not failures, "\n".join(failures[:12])

@@ -44,3 +44,33 @@ def expert_group(param: torch.Tensor):
 def expert_replica_group(param: torch.Tensor):
     """The group across which a tagged parameter's replicas are averaged (None: none)."""
     return getattr(param, EXPERT_REPLICA_GROUP_ATTR, None)
+
+
+# -- tensors a forward leaves beside its output --------------------------------------------
+# (owner, tensors) of each reducer whose forward is running, the innermost last
+_AUX_COLLECTORS: list[tuple[object, list[torch.Tensor]]] = []
+
+
+def note_aux_output(t: torch.Tensor) -> None:
+    """A tensor a module's forward leaves beside its output for the user to add to the loss
+    (an MoE layer's ``aux_loss``): every reducer whose forward is running counts it among
+    that forward's outputs when it looks for unused parameters."""
+    if _AUX_COLLECTORS and isinstance(t, torch.Tensor) and t.requires_grad:
+        for _, tensors in _AUX_COLLECTORS:
+            tensors.append(t)
+
+
+def collect_aux_outputs(owner: object) -> None:
+    """Start collecting for ``owner``'s forward (a collection its last forward left behind,
+    one that raised, is dropped)."""
+    stop_aux_outputs(owner)
+    _AUX_COLLECTORS.append((owner, []))
+
+
+def stop_aux_outputs(owner: object) -> list[torch.Tensor]:
+    """Stop collecting for ``owner``: the tensors noted since :func:`collect_aux_outputs`."""
+    for i, (o, tensors) in enumerate(_AUX_COLLECTORS):
+        if o is owner:
+            del _AUX_COLLECTORS[i]
+            return tensors
+    return []

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join
 
+from .._tags import collect_aux_outputs, stop_aux_outputs
 from ..comm import broadcast_coalesced
 from ..config import ReducerConfig
 from .backward import Backward
@@ -69,6 +70,8 @@ class Forward:
                                    if joining else 0)
         if joining:  # tell joined ranks whether this iteration synchronises
             self.join_flags.allreduce(1.0 if bw.sync_enabled else 0.0, bw.passes)
+        if self.config.dynamic_unused:  # (an MoE layer's aux_loss: an output of the forward)
+            (collect_aux_outputs if bw.sync_enabled else stop_aux_outputs)(self)
 
     def broadcast_buffers(self, source: Callable[[], int]) -> None:
         if not (self.config.broadcast_buffers and self.world_size > 1):
@@ -100,7 +103,10 @@ class Forward:
         bw.fwd_sync = sync
         outs = output_tensors(output)
         if sync and self.config.dynamic_unused:
-            reached = reachable_parameters(outs)
+            # the tensors the forward left beside its output for the loss (an MoE layer's
+            # aux_loss) count as outputs: a parameter only they reach is used if the loss
+            # takes them, and unused at the end of backward (no gradient) if it does not
+            reached = reachable_parameters(outs + stop_aux_outputs(self))
             bw.unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
             if self.config.skip_all_reduce_unused_params:
                 bw.start_skip_agreement()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _exit
-from .._tags import mark_expert_parallel
+from .._tags import mark_expert_parallel, note_aux_output
 from ..comm import group_rank_and_size
 from ..kernels.moe import moe_counts, permute_tokens, unpermute_tokens
 from ._checks import (broadcast_from_first_rank, check_ranks_agree, check_replica_group,
@@ -444,6 +444,7 @@ class MoELayer(nn.Module):
             raise failure from e
         finally:
             guard.end_phase()  # (tracing: the last phase's span)
+        note_aux_output(self.aux_loss)  # (find_unused_parameters: an output of the forward)
         if y.requires_grad and self.dispatcher.world_size > 1 and self._gathered is None:
             y.register_hook(guard.backward_mark)
         return y
