@@ -4,7 +4,7 @@ every rank also computes the same steps densely (every expert here, a Python loo
 experts, no permutation, no communication) and compares the layer's outputs, gradients,
 updated weights and routing biases with it. A second test trains the layer inside a model
 under ``fused_bucketing`` on 4 ranks, expert-parallel or expert x data parallel, with drawn
-reducer options and accumulation, against the same model written out densely.
+reducer options, accumulation and clipping, against the same model written out densely.
 
 At least 40 random layers in CI; set TRIBUCKET_RANDOM_MOE=500 for a longer local run, and
 TRIBUCKET_RANDOM_MOE_SEARCH=1 to draw other layers than CI's.
@@ -306,7 +306,7 @@ def _groups(ep_size: int):
 @st.composite
 def training_cases(draw):
     """4 ranks: every expert once (EP 4) or twice (EP 2 x 2 replicas), a drawn layer, reducer
-    options and accumulation."""
+    options, accumulation and gradient clipping."""
     ep = draw(st.sampled_from([2, 4]))
     case = draw(moe_cases())
     L, k = case["L"], case["k"]
@@ -317,7 +317,8 @@ def training_cases(draw):
                 micro=draw(st.integers(1, 2)),
                 bucket_cap_mb=draw(st.sampled_from([None, 0.0001])),
                 find_unused=draw(st.booleans()),
-                as_view=draw(st.booleans()))
+                as_view=draw(st.booleans()),
+                clip=draw(st.sampled_from([None, None, 0.05])))
     if case.get("groups") and (E % case["groups"] or case["k"] > case["limited"] * (
             E // case["groups"])):
         case.pop("groups"), case.pop("limited")
@@ -408,6 +409,8 @@ def _random_training(case):
                 with contextlib.nullcontext() if last else reducer.no_sync():
                     out = _loss(model(x), t)
                     (out + aux_losses(model) if case.get("add_aux", True) else out).backward()
+            if case.get("clip") is not None:  # the norm over every rank's experts
+                tribucket.clip_grad_norm_(model, case["clip"])
             opt.step()
             opt.zero_grad()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
@@ -418,6 +421,8 @@ def _random_training(case):
                 x, t = data(r, step, micro)
                 total = total + _loss(ref(x), t) + (ref.aux if case.get("add_aux", True) else 0.0)
         (total / world).backward()
+        if case.get("clip") is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), case["clip"])
         ref_opt.step()
         ref_opt.zero_grad()
         ref.update_bias()
