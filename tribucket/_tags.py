@@ -1,4 +1,5 @@
-"""Tags on parameters that the layers of tribucket agree on.
+"""Tags on parameters that the layers of tribucket agree on, and the tensors a forward leaves
+beside its output (an MoE layer's ``aux_loss``) for the reducer's unused-parameter search.
 
 An expert-parallel parameter has different values on each rank of its expert-parallel (EP)
 group: rank ``r`` of the group owns experts ``r*L .. r*L+L-1``. With expert x data
