@@ -5,6 +5,8 @@ here the Python hooks are held to DDP as well, the native path is shown to take 
 per-gradient work off Python, and a machine that cannot build the extension falls back.
 """
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -260,7 +262,10 @@ class _FakeBuilds:
             f"open({str(self.folder / 'builds.log')!r}, 'a').write('background\\n')\n"
             f"time.sleep({self.delay})\n"
             + (f"print({self.fail!r}); sys.exit(1)\n" if self.fail else
-               f"shutil.copy({self.real.__file__!r}, {str(target)!r})\n"))]
+               # whole or absent, as the real build's rename makes it: a copy in place
+               # could be mapped half-written by a rank that saw the name (SIGBUS)
+               f"shutil.copy({self.real.__file__!r}, {str(target) + '.part'!r})\n"
+               f"import os; os.replace({str(target) + '.part'!r}, {str(target)!r})\n"))]
         return self
 
     def build(self, where):
@@ -272,7 +277,9 @@ class _FakeBuilds:
         time.sleep(self.delay)
         if self.fail:
             raise RuntimeError(self.fail)
-        shutil.copy(self.real.__file__, where / f"{native._NAME}.so")
+        part = where / f"{native._NAME}.so.part"
+        shutil.copy(self.real.__file__, part)
+        os.replace(part, where / f"{native._NAME}.so")  # (whole or absent, as above)
         return self.real
 
     def __exit__(self, *exc):
