@@ -280,11 +280,17 @@ def _random_moe(case):
     return list(errors)
 
 
-# no shrinking: a layer spans collectives on every rank, and hypothesis' shrinking of one took
-# longer than the test's timeout, which then hid the failing case; the case is printed as drawn
-@settings(max_examples=N_LAYERS, deadline=None, derandomize=_DERANDOMIZE,
-          phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+def _draws(n: int):
+    """The settings of both random tests: ``n`` draws, no shrinking (a case spans collectives
+    on every rank, and hypothesis' shrinking of one took longer than the test's timeout,
+    which then hid the failing case: the case is printed as drawn)."""
+    return settings(max_examples=n, deadline=None, derandomize=_DERANDOMIZE,
+                    phases=[Phase.explicit, Phase.generate],
+                    suppress_health_check=[HealthCheck.too_slow,
+                                           HealthCheck.function_scoped_fixture])
+
+
+@_draws(N_LAYERS)
 @given(moe_cases())
 def test_random_moe_layers_match_dense_reference(dist_run, case):
     failures = sum(dist_run(_random_moe, case, world_size=case["W"]), [])
@@ -442,9 +448,7 @@ def _random_training(case):
     return list(errors)
 
 
-@settings(max_examples=N_TRAININGS, deadline=None, derandomize=_DERANDOMIZE,
-          phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@_draws(N_TRAININGS)
 @given(training_cases())
 def test_random_moe_training_matches_dense_reference(dist_run, case):
     failures = sum(dist_run(_random_training, case, world_size=4), [])
