@@ -101,6 +101,22 @@ class One(nn.Module):
         return x * self.w
 
 
+class Gated(nn.Module):
+    """``branch`` is used only when the batch's first element is positive; every other
+    parameter always is, so a batch that skips it misses exactly its two gradients."""
+
+    def __init__(self, dim=6):
+        super().__init__()
+        self.trunk, self.branch, self.head = (nn.Linear(dim, dim), nn.Linear(dim, dim),
+                                              nn.Linear(dim, 2))
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        if x[0, 0] > 0:
+            h = h + self.branch(h)
+        return self.head(h)
+
+
 class Checkpointed(nn.Module):
     def __init__(self, reentrant=False, dim=8):
         super().__init__()
@@ -141,6 +157,7 @@ BUILDERS = {
                              memory_format=torch.channels_last)),
     "branchy": (Branchy, lambda g: torch.randn(4, 10, generator=g)),
     "branchy_static": (lambda: Branchy(always=True), lambda g: torch.randn(4, 10, generator=g)),
+    "gated": (Gated, lambda g: torch.randn(4, 6, generator=g)),
     "mixed": (Mixed, lambda g: torch.randn(4, 8, generator=g)),
     "frozen": (Frozen, lambda g: torch.randn(4, 6, generator=g)),
     "one": (One, lambda g: torch.randn(3, 5, generator=g)),

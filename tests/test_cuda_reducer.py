@@ -1,7 +1,8 @@
 """The reducer on a GPU (one NCCL rank, in its own process): gradients bit-identical to torch
-DDP's with the fp32 wire, the fp16 hook and gradients as bucket views; a traced run whose
-device spans (CUDA events) are ordered per bucket as the stream runs them. Skipped without a
-CUDA device; ``make gpu-check`` runs it."""
+DDP's with the fp32 wire, the fp16 hook and gradients as bucket views; the host not waiting
+for the device at the end of backward, and a missing gradient raised one backward later; a
+traced run whose device spans (CUDA events) are ordered per bucket as the stream runs them.
+Skipped without a CUDA device; ``make gpu-check`` runs it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,26 @@ def result(tmp_path_factory):
 def test_gradients_equal_ddp_on_the_gpu(result, model, variant):
     r = result[f"{model} {variant}"]
     assert r["bit_identical"], f"{model} {variant}: max |diff| {r['max_abs_diff']}"
+
+
+def test_the_host_runs_ahead_of_the_device_after_backward(result):
+    """With 100 ms of device work in each backward, the device is still busy when backward
+    returns, as with DDP: the status is read one backward later (``deferred_status``, the
+    default on a GPU). Read at once, the host waits for the device there. The first two
+    backwards also wait: the first rebuilds the layout, which reads the status at once, and
+    the second is the first with the rebuilt layout, whose pack kernel copies its tables to
+    the device once (its backward's host time equals the device work, 100 ms or 1 s)."""
+    r = result["host_runs_ahead"]
+    assert r["DDP"][1:] == [True] * 4, r
+    assert r["tribucket"][2:] == [True] * 3, r
+    assert r["tribucket immediate"] == [False] * 5, r
+
+
+def test_a_missing_gradient_raises_one_backward_later_on_the_gpu(result):
+    r = result["missing_at_step_1"]
+    assert r["done"] == [0, 1], r
+    assert "in backward iteration 2, reported at backward iteration 3" in r["message"], r
+    assert "received no gradient" in r["message"] and "branch.weight" in r["message"], r
 
 
 def test_device_spans_ordered_per_bucket(result):

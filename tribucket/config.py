@@ -114,6 +114,18 @@ class ReducerConfig:
     #: Python hooks with a warning; ``True``: an error if it does not build; ``False``: the
     #: Python hooks. Same results either way. Also set by ``TRIBUCKET_NATIVE_HOOKS=1``/``0``
     native_hooks: bool | None = field(default_factory=lambda: _env_flag("TRIBUCKET_NATIVE_HOOKS"))
+    #: when the end-of-backward status (missing gradients, misuse, ranks out of step) is
+    #: read on the host: ``False``: at the end of each backward, before ``.grad`` is
+    #: written, so a problem raises in the backward that had it; ``True``: at the end of the
+    #: next synchronised backward (or at ``close()``), so the host need not wait for the
+    #: device to finish a backward before it queues the optimizer step and the next forward;
+    #: a problem then raises one backward later, on every rank, after its gradients were
+    #: written (DDP's errors also come one iteration later). ``None`` (default): ``True`` on
+    #: a GPU, ``False`` on the CPU (where nothing runs ahead of the host). Also set by
+    #: ``TRIBUCKET_DEFERRED_STATUS=1``/``0``. Passes that need the used map on the host
+    #: (``find_unused_parameters``) and passes under ``join()`` read it at once
+    deferred_status: bool | None = field(
+        default_factory=lambda: _env_flag("TRIBUCKET_DEFERRED_STATUS"))
     #: reuse the gradients' norm and inf/NaN flag across calls (``grad_norm()``,
     #: ``found_inf``, ``GradScaler.unscale_``, ``clip_grad_norm_``) and take them from the
     #: unpack kernel where it computes them (CUDA): no read of the gradients for the second
@@ -150,6 +162,9 @@ class ReducerConfig:
         if self.native_hooks is not None and not isinstance(self.native_hooks, bool):
             raise TypeError(f"native_hooks must be True, False or None, got "
                             f"{self.native_hooks!r}")
+        if self.deferred_status is not None and not isinstance(self.deferred_status, bool):
+            raise TypeError(f"deferred_status must be True, False or None, got "
+                            f"{self.deferred_status!r}")
         if self.pack_on_ready is not None and not isinstance(self.pack_on_ready, bool):
             raise TypeError(f"pack_on_ready must be True, False or None, got "
                             f"{self.pack_on_ready!r}")

@@ -5,8 +5,9 @@ Run by ``tests/test_cuda_reducer.py`` in its own process (a NCCL process group p
     python tests/scripts/cuda_reducer.py OUT_DIR
 
 Writes ``OUT_DIR/result.json``: per variant, whether every gradient of every step equals
-DDP's bit for bit (the fp32 wire, the fp16 hook, gradients as bucket views), and the trace
-file of the traced run.
+DDP's bit for bit (the fp32 wire, the fp16 hook, gradients as bucket views); per step whether
+the device was still busy when backward returned (the status read late, at once, and DDP);
+a missing gradient's error, one backward later; and the trace file of the traced run.
 """
 
 from __future__ import annotations
@@ -27,6 +28,39 @@ import tribucket  # noqa: E402
 from tribucket import hooks  # noqa: E402
 
 STEPS = 3
+SLEEP_CYCLES = 200_000_000  # torch.cuda._sleep: 100 ms at 2 GHz, more on slower clocks
+
+
+def _busy_after_backward(wrap):
+    """Per step, whether the device is still busy when ``loss.backward()`` returns, with
+    SLEEP_CYCLES of device work queued in each backward (the first parameter's gradient)."""
+    model = build("mlp").cuda()
+    next(model.parameters()).register_hook(lambda g: torch.cuda._sleep(SLEEP_CYCLES))
+    busy = []
+    with wrap(model) as m:
+        for step in range(5):
+            loss_of(m(batch("mlp", 0, step).cuda())).backward()
+            busy.append(not torch.cuda.current_stream().query())
+            torch.cuda.synchronize()
+            model.zero_grad()
+    return busy
+
+
+def _missing_at_step_1():
+    """Steps done and the error when step 1's batch leaves ``branch`` without a gradient."""
+    model = build("gated").cuda()
+    done = []
+    try:
+        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001):
+            for step in range(4):
+                x = torch.ones(4, 6, device="cuda")
+                x[0, 0] = -1.0 if step == 1 else 1.0
+                loss_of(model(x)).backward()
+                model.zero_grad()
+                done.append(step)
+    except RuntimeError as e:
+        return {"done": done, "message": str(e)}
+    return {"done": done, "message": None}
 
 
 def _grads(model, name, wrap):
@@ -99,6 +133,18 @@ def main(out_dir: str) -> None:
                        for x, y in zip(sa, sb))
             same = all(torch.equal(x, y) for sa, sb in zip(a, b) for x, y in zip(sa, sb))
             result[f"{name} {label}"] = {"bit_identical": same, "max_abs_diff": diff}
+
+    # the end-of-backward status is read one backward later: the host runs ahead
+    ahead = {}
+    for label, env in (("tribucket", None), ("tribucket immediate", "0")):
+        os.environ.pop("TRIBUCKET_DEFERRED_STATUS", None)
+        if env is not None:
+            os.environ["TRIBUCKET_DEFERRED_STATUS"] = env
+        ahead[label] = _busy_after_backward(_Ours())
+    os.environ.pop("TRIBUCKET_DEFERRED_STATUS", None)
+    ahead["DDP"] = _busy_after_backward(_DDP())
+    result["host_runs_ahead"] = ahead
+    result["missing_at_step_1"] = _missing_at_step_1()
 
     # traced: device spans from CUDA events next to the host spans
     from tribucket.trace import Tracer

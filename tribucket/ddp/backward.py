@@ -99,6 +99,12 @@ class Backward:
         #: the post-accumulate-grad hook of each parameter (the reducer registers them)
         self.grad_hooks = [GradHook(self, i) for i in range(len(params))]
         self.native = NO_NATIVE  # native.NativeHooks when C++ hooks count gradients in
+        # deferred_status: a pass's status is read on the host at the end of the next
+        # synchronised pass (every rank at the same one), not at its own end
+        self.defer_status = (config.deferred_status if config.deferred_status is not None
+                             else device.type == "cuda")
+        self.pending_status = None             # status.Pending of the last deferred pass
+        self.joining = False                   # the last training forward ran under join()
         #: shard_optimizer: this rank's slice of every bucket, and the averaged slices
         self.shards, self.shard_grads = None, None
         if config.shard_optimizer:
@@ -390,15 +396,23 @@ class Backward:
         results, status, self.stats.status_check_s = self._exchange_status(
             p, n_missing + len(p.errors), used)
         self._forget_nosync_used()
+        self._resolve_pending(f"backward iteration {p.iteration}")  # (every rank, here)
         if self._piggybacked(p) and len(p.errors) > p.status_errors:
             # misuse seen after the status was sent with the last bucket: this rank only
             self.status.raise_problems([], [0.0] * self.world_size, p.errors)
-        self._check_steps(status)  # before the gradients reach .grad
-        counts = self.status.problems(status)
-        if sum(counts) > 0:
-            missing = ([] if cfg.dynamic_unused else
-                       [self.names[i] for i in range(len(self.params)) if not p.ready[i]])
-            self.status.raise_problems(missing, counts, p.errors)
+        missing = ([] if cfg.dynamic_unused or not n_missing else
+                   [self.names[i] for i in range(len(self.params)) if not p.ready[i]])
+        if (self.defer_status and used is None and not self.joining
+                and self.comm.divisor is None and not self.policy.may_rebuild(self.rebuilt)):
+            # read at the end of the next synchronised pass: the host runs on meanwhile
+            self.pending_status = self.status.defer(status, p.iteration, missing,
+                                                    list(p.errors))
+        else:
+            status = status.cpu()  # (on a GPU: waits for the device)
+            self._check_steps(status)  # before the gradients reach .grad
+            counts = self.status.problems(status)
+            if sum(counts) > 0:
+                self.status.raise_problems(missing, counts, p.errors)
         global_used = None
         if used is not None:
             global_used = self.status.used(status)
@@ -446,6 +460,34 @@ class Backward:
                 self.epilogue.finished(bucket.index)
         if self.tuner is not None:  # bucket_cap_mb="auto": measure, maybe re-lay (autotune.py)
             self.tuner.after_step(self, st.backward_compute_s + st.comm_exposed_s)
+
+    def _resolve_pending(self, where: str, swallow: bool = False) -> Exception | None:
+        """Read the status a deferred pass left (see ``deferred_status``) and raise what it
+        reports, as the pass itself would have (``swallow``: return it instead). Called at
+        the end of each synchronised pass, after its collectives, so every rank raises at
+        the same pass and none is left waiting in a collective."""
+        pending, self.pending_status = self.pending_status, None
+        if pending is None:
+            return None
+        status = self.status.read(pending)
+        try:
+            self._check_steps(status)
+            counts = self.status.problems(status)
+            if sum(counts) > 0:
+                self.status.raise_problems(pending.missing, counts, pending.errors)
+        except RuntimeError as e:
+            error = RuntimeError(
+                f"tribucket (rank {self.rank}): in backward iteration {pending.iteration}, "
+                f"reported at {where}: the status of each backward is read one synchronised "
+                "backward later on a GPU (deferred_status), so that the host need not wait "
+                f"for the device; iteration {pending.iteration}'s gradients were written to "
+                ".grad and an optimizer step may have applied them; this backward's were not "
+                "written. Pass deferred_status=False (or TRIBUCKET_DEFERRED_STATUS=0) to "
+                f"raise in the backward that has the problem. {e}")
+            if swallow:
+                return error
+            raise error from None
+        return None
 
     def _missing(self, p: Pass) -> int:
         """Gradients this rank missed, as problems to report. With find_unused_parameters a
@@ -517,6 +559,7 @@ class Backward:
         cfg = self.config
         used = self._local_used(p)
         _, status, _ = self._exchange_status(p, 0, used)
+        self._resolve_pending(f"the Join shadow pass of iteration {p.iteration}")
         if used is not None and cfg.static_graph:
             self.static_used = self.status.used(status)
         if cfg.static_graph and self.static_counts is None:
@@ -532,7 +575,7 @@ class Backward:
         """``close()``: settle the pass left unfinished (see :meth:`settle_abandoned`) so no
         peer is left waiting; the error that raised, if any."""
         if self.guard.failed:
-            self.pass_ = self.skip_pending = None
+            self.pass_ = self.skip_pending = self.pending_status = None
             return None
         try:
             if self.pass_ is not None:
@@ -540,7 +583,7 @@ class Backward:
             self._drop_skip_agreement()  # a forward that no backward followed
         except Exception as e:  # noqa: BLE001 - reported by close()
             return e
-        return None
+        return self._resolve_pending("close()", swallow=True)
 
     def settle_abandoned(self) -> None:
         """Finish a backward pass that raised before its end (a user hook, autograd): issue
@@ -564,10 +607,12 @@ class Backward:
         _, status, _ = self._exchange_status(p, self._missing(p) + len(p.errors),
                                              self._local_used(p))
         self._forget_nosync_used()
+        # this rank's user has an error already; a deferred pass's report would be a second
+        self._resolve_pending(f"backward iteration {p.iteration}", swallow=True)
         try:
             self._check_steps(status)
         except RuntimeError:
-            pass  # this rank's user has an error already; the counts are aligned again
+            pass  # the counts are aligned again
 
     def _check_steps(self, status) -> None:
         """Raise on every rank if the ranks are in the backward of different training steps;

@@ -59,6 +59,7 @@ class Forward:
             return
         if bw.pass_ is not None and torch._C._current_graph_task_id() == -1:
             bw.settle_abandoned()  # outside any backward: the last one raised
+        bw.joining = joining  # (a pass under join() reads its status at once)
         if self.step_boundary is not None and bw.pass_ is None:
             self.step_boundary()
         self.guard.step = bw.forwards

@@ -23,7 +23,20 @@ import torch.distributed as dist
 
 from .watchdog import CommGuard
 
-__all__ = ["Status", "second_gradient_error", "static_graph_error"]
+__all__ = ["Pending", "Status", "second_gradient_error", "static_graph_error"]
+
+
+class Pending:
+    """A pass's reduced status on its way to the host (``deferred_status``): a copy that the
+    device writes when it gets there (pinned memory behind an event on a GPU), and what this
+    rank knew of the pass to report it."""
+
+    __slots__ = ("host", "event", "iteration", "missing", "errors")
+
+    def __init__(self, host: torch.Tensor, event, iteration: int, missing: list[str],
+                 errors: list[str]):
+        self.host, self.event, self.iteration = host, event, iteration
+        self.missing, self.errors = missing, errors
 
 
 class Status:
@@ -48,14 +61,16 @@ class Status:
                opt_mark: int = 0) -> torch.Tensor:
         """This rank's status; ``used`` (0/1 per parameter) or None when not needed."""
         ws = self.world_size
+        # on a GPU, built in pinned memory: a copy from pageable memory would wait for the
+        # device to finish the work queued before it (the backward)
         status = torch.zeros(3 * ws + (len(used) if used is not None else 0),
-                             dtype=torch.float32)
+                             dtype=torch.float32, pin_memory=self.device.type == "cuda")
         status[self.rank] = problems
         status[ws + self.rank] = step_mark
         status[2 * ws + self.rank] = opt_mark
         if used is not None:
             status[3 * ws:] = torch.tensor(used, dtype=status.dtype)
-        return status.to(self.device)
+        return status.to(self.device, non_blocking=True)
 
     def write_tail(self, buf: torch.Tensor, status: torch.Tensor) -> int:
         """Write ``status`` into the last ``length`` elements of ``buf``; return ``length``."""
@@ -66,8 +81,29 @@ class Status:
         return n
 
     def read_tail(self, buf: torch.Tensor) -> torch.Tensor:
+        """The status in the tail of ``buf``, on ``buf``'s device (a view of it in fp32)."""
         n = self.length
-        return buf.narrow(0, buf.numel() - n, n).float().cpu()
+        return buf.narrow(0, buf.numel() - n, n).float()
+
+    def defer(self, status: torch.Tensor, iteration: int, missing: list[str],
+              errors: list[str]) -> Pending:
+        """Start copying the reduced ``status`` to the host without waiting for it (read it
+        with :meth:`read`); ``missing`` and ``errors``: this rank's, for the report."""
+        if status.device.type == "cuda":
+            host = torch.empty(status.numel(), dtype=torch.float32, pin_memory=True)
+            host.copy_(status.float(), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:  # (the status may be a view of a bucket's buffer, which the next pass reuses)
+            host, event = status.float().clone(), None
+        return Pending(host, event, iteration, missing, errors)
+
+    @staticmethod
+    def read(pending: Pending) -> torch.Tensor:
+        """The deferred status on the host, once the device has written it."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        return pending.host
 
     def launch(self, status: torch.Tensor, iteration: int):
         """Start the status allreduce (None with one rank)."""
@@ -84,7 +120,8 @@ class Status:
                  make_status: Callable[[], torch.Tensor], serialize: bool,
                  iteration: int) -> tuple[list, torch.Tensor, float]:
         """Wait for every bucket's result and agree on the status across ranks: returns the
-        results, the reduced status and the seconds spent waiting on the status.
+        results, the reduced status (on the device: reading it on the host waits for the
+        device) and the seconds spent waiting on the status.
 
         ``tail_buffer``: the last bucket's buffer when the status rode in its tail (read it
         back once the bucket is reduced); else the status is ``make_status()``, sent on its
