@@ -12,8 +12,10 @@ This runs the benchmark MLP and transformer of ``perf/bench_step.py`` on one NCC
 device-side wait of ``--device-ms`` in each backward (``torch.cuda._sleep``: a stand-in for a
 backward whose kernels take longer than their launches, which the host only enqueues). Per
 variant: how long ``loss.backward()`` takes on the host, and the step time over 10 steps run
-back to back (no synchronisation between them, as in training). Rounds alternate the order
-of the two variants.
+back to back (no synchronisation between them, as in training). tribucket runs twice: with
+its default, which on a GPU reads the end-of-backward status one backward later, and with
+``deferred_status=False``, which reads it at the end of each backward (the host waits for the
+device there). Each round starts with another variant.
 
     python perf/bench_host_wait.py                      # a CUDA device: writes --out
     python perf/bench_host_wait.py --device cpu --rounds 3 --out /tmp/hw   # a dry run (gloo)
@@ -37,6 +39,8 @@ from bench_step import make_model  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parent / "results" / "gpu"
 STEPS = 10  # steps per timed run, back to back
+AT_ONCE = "tribucket, status read at once"  # deferred_status=False
+VARIANTS = ("tribucket", AT_ONCE, "DDP")
 
 
 def sleep_ms(cycles: int) -> float:
@@ -62,7 +66,7 @@ def measure(name: str, device: torch.device, device_ms: float, rounds: int) -> d
     cuda = device.type == "cuda"
     cycles = sleep_cycles(device_ms) if cuda and device_ms else 0
     runs, exits = {}, []
-    for variant in ("tribucket", "DDP"):
+    for variant in VARIANTS:
         model, x = make_model(name)
         model, x = model.to(device), x.to(device)
         if cycles:  # in every backward, when the first parameter's gradient is computed
@@ -70,8 +74,9 @@ def measure(name: str, device: torch.device, device_ms: float, rounds: int) -> d
         if variant == "DDP":
             net = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device.index] if cuda else None)
-        else:
-            cm = tribucket.fused_bucketing(model)
+        else:  # the default reads the status one backward later on a GPU
+            cm = tribucket.fused_bucketing(
+                model, **({"deferred_status": False} if variant == AT_ONCE else {}))
             cm.__enter__()
             exits.append(cm)
             net = model
@@ -83,7 +88,7 @@ def measure(name: str, device: torch.device, device_ms: float, rounds: int) -> d
             torch.cuda.synchronize()
 
     for rnd in range(2 + rounds):  # two rounds of warm-up
-        for variant in ("tribucket", "DDP") if rnd % 2 == 0 else ("DDP", "tribucket"):
+        for variant in VARIANTS[rnd % 3:] + VARIANTS[:rnd % 3]:  # each goes first in turn
             r = runs[variant]
             sync()
             t0 = time.perf_counter()
@@ -112,14 +117,16 @@ def markdown(res: dict) -> str:
     lines = [f"Where the host waits: one {res['backend']} rank on {res['device_name']} "
              f"(torch {res['torch']}, {res['cpus']} CPU cores); per variant the host time of "
              f"`loss.backward()` and the step time over {STEPS} steps run back to back, "
-             f"medians of {res['rounds']} rounds, the two variants alternating; 1-min load "
+             f"medians of {res['rounds']} rounds, each round starting with another variant; 1-min load "
              f"average {res['loadavg_1min']:.2f} at the start.", "",
              "| model | device work added to backward | variant | backward returns after (ms) "
              "| step (ms) | step vs DDP |", "| --- | --- | --- | ---: | ---: | ---: |"]
     for row in res["rows"]:
         ddp = row["DDP"]["step_ms"]
         extra = (f"{row['device_wait_ms']:.1f} ms" if row.get("device_wait_ms") else "none")
-        for v in ("tribucket", "DDP"):
+        for v in VARIANTS:
+            if v not in row:  # (a file written before the variant existed)
+                continue
             r = row[v]
             lines.append(f"| {row['model']} | {extra} | {v} | {r['backward_host_ms']:.1f} | "
                          f"{r['step_ms']:.1f} | {r['step_ms'] / ddp:.2f}x |")
