@@ -330,6 +330,8 @@ def training_cases(draw):
         case.pop("groups"), case.pop("limited")
     if isinstance(case["shadow"], frozenset):
         case["shadow"] = frozenset(e for e in case["shadow"] if e < E)
+    # the status read one backward later (a GPU's default) must not change a value
+    case["deferred_status"] = draw(st.sampled_from([None, True]))
     return case
 
 
@@ -407,7 +409,8 @@ def _random_training(case):
     errors = _Errors()
     with tribucket.fused_bucketing(model, bucket_cap_mb=case["bucket_cap_mb"],
                                    find_unused_parameters=case["find_unused"],
-                                   gradient_as_bucket_view=case["as_view"]) as reducer:
+                                   gradient_as_bucket_view=case["as_view"],
+                                   deferred_status=case.get("deferred_status")) as reducer:
         for step in range(2):
             for micro in range(case["micro"]):
                 x, t = data(rank, step, micro)

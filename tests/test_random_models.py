@@ -93,6 +93,8 @@ def model_specs(draw):
     if not (config.get("skip_all_reduce_unused_params") or config.get("static_graph")) \
             and draw(st.booleans()):
         loop["uneven"] = dict(divide_by_initial_world_size=draw(st.booleans()))
+    # the status read one backward later (a GPU's default) must not change a value either
+    loop["deferred_status"] = draw(st.sampled_from([None, True]))
     return spec, config, loop
 
 
@@ -118,7 +120,8 @@ def _random_parity(spec, config, loop, steps=3):
     ddp = DDP(theirs, **{k: v for k, v in config.items()
                          if k != "skip_all_reduce_unused_params"})
     ours = dict(config, **{k: loop[k] for k in ("pack_on_ready", "native_hooks",
-                                                "first_bucket_cap_mb", "comm_chunk_mb")})
+                                                "first_bucket_cap_mb", "comm_chunk_mb",
+                                                "deferred_status")})
     if loop["micro"] > 1 and config["broadcast_buffers"]:
         ours["broadcast_buffers"] = "ddp"  # DDP's rule around no_sync forwards
     uneven = loop.get("uneven")
