@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -64,6 +64,55 @@ def test_join_matches_ddp_join(dist_run, world_size, divide_by_initial):
 def test_join_with_builtin_hook_and_chunks(dist_run):
     dist_run(_join_vs_ddp, "mlp", dict(bucket_cap_mb=0.001), True, hook="allreduce_hook",
              chunk_mb=0.0002, world_size=3)
+
+
+class _Counter(Joinable):
+    """A joinable of the user's that comes first in ``Join([...])``: it notifies the join
+    context at the start of each iteration, as torch asks (its hooks do nothing)."""
+
+    def __init__(self):
+        super().__init__()
+
+    def join_hook(self, **kwargs):
+        return JoinHook()
+
+    @property
+    def join_device(self):
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD
+
+
+def _second_joinable(divide_by_initial):
+    """Every parameter after uneven steps under ``Join([reducer])`` and under
+    ``Join([counter, reducer])``."""
+    rank = dist.get_rank()
+    out = []
+    for second in (False, True):
+        model = build("mlp")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001) as reducer:
+            counter = _Counter()
+            with Join([counter, reducer] if second else [reducer],
+                      divide_by_initial_world_size=divide_by_initial):
+                for step in range(1 + 2 * rank):
+                    Join.notify_join_context(counter)
+                    loss_of(model(batch("mlp", rank, step))).backward()
+                    opt.step()
+                    opt.zero_grad()
+        out.append([p.detach().clone() for p in model.parameters()])
+    return max((a - b).abs().max().item() for a, b in zip(*out))
+
+
+@pytest.mark.parametrize("divide_by_initial", [True, False])
+def test_the_reducer_divides_alike_as_a_later_joinable(dist_run, divide_by_initial):
+    """torch gives the count of ranks still training to the first joinable only; the
+    reducer takes it from the allreduce every iteration under Join already runs (DDP,
+    second, divides by the initial world size whatever it is told)."""
+    for rank, diff in enumerate(dist_run(_second_joinable, divide_by_initial, world_size=3)):
+        assert diff == 0.0, f"rank {rank}: second in Join differs from first by {diff}"
 
 
 def _join_throw(method=False):

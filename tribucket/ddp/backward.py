@@ -92,6 +92,8 @@ class Backward:
         self.passes = 0                        # backward passes begun (synced or not): the
         # iteration number that fingerprints and failure reports use, equal on every rank
         self.join_work = None                  # Join: the notify allreduce (ranks active)
+        self.join_active = None                # Join: ranks still training, as counted by
+        # the forward's sync-flag allreduce (for a reducer that is not the first joinable)
         self.closed = False
         self.warned_create_graph = False       # backward(create_graph=True) seen
         # the per-gradient hook's short path applies: no hook counts, no order recorded
@@ -209,12 +211,14 @@ class Backward:
         if self.comm.tracer is not None:
             self.comm.tracer.next_step(p.iteration)
         work, self.join_work = self.join_work, None
+        active, self.join_active = self.join_active, None
         if not self.comm.traits.prescale:
             p.scale = 1.0
         elif self.comm.divisor is not None:
             p.scale = 1.0 / self.comm.divisor()
         else:
-            p.scale = 1.0 / self.join_flags.divisor(work, self.world_size, self.passes)
+            p.scale = 1.0 / self.join_flags.divisor(work, self.world_size, self.passes,
+                                                    active)
         self.epilogue.reset()  # the figures of the last backward are void
         cfg = self.config
         p.record_order = (self.policy.may_rebuild(self.rebuilt)

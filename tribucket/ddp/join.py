@@ -48,14 +48,17 @@ class JoinFlags:
         #: DDP) or by the ranks still training
         self.divide_by_initial_world_size = True
 
-    def divisor(self, work, world_size: int, iteration: int) -> int:
+    def divisor(self, work, world_size: int, iteration: int, active: float | None = None) -> int:
         """What a pass divides by: the world size, or under
-        ``Join(divide_by_initial_world_size=False)`` the ranks still training (the count the
-        join notification allreduce ``work`` produced)."""
-        if work is None or self.divide_by_initial_world_size:
+        ``Join(divide_by_initial_world_size=False)`` the ranks still training: the count the
+        join notification allreduce ``work`` produced (torch runs it for the first joinable
+        of a Join only), else ``active``, the sum of the forward's sync flags."""
+        if self.divide_by_initial_world_size:
             return world_size
-        self.guard.wait(work, "the Join notification", iteration)
-        return max(1, int(work.result()[0].item()))
+        if work is not None:
+            self.guard.wait(work, "the Join notification", iteration)
+            return max(1, int(work.result()[0].item()))
+        return world_size if active is None else max(1, round(active))
 
     def allreduce(self, value: float, iteration: int, op=dist.ReduceOp.SUM) -> float:
         t = torch.tensor([value], device=self.device)

@@ -486,7 +486,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         bw = self._bw
         for bucket in bw.buckets:
             bucket.handle = None
-        bw.join_work = None
+        bw.join_work = bw.join_active = None
         self._forward.joinable = self._forward.backward_start = None
         self._forward.step_boundary = None
 
