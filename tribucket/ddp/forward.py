@@ -69,11 +69,11 @@ class Forward:
             # under Join rank 0 may have left: agree on the highest rank still training
             self.broadcast_buffers(lambda: self.join_flags.common_rank(True, bw.passes)
                                    if joining else 0)
-        if joining:  # tell joined ranks whether this iteration synchronises; the sum is
-            # the count of ranks still training (joined ranks send 0), which torch's notify
-            # gives only the first joinable of a Join
-            bw.join_active = self.join_flags.allreduce(1.0 if bw.sync_enabled else 0.0,
-                                                       bw.passes)
+        # under Join: tell joined ranks whether this iteration synchronises; the sum is the
+        # count of ranks still training (joined ranks send 0), which torch's notify gives
+        # only the first joinable of a Join
+        bw.join_active = (self.join_flags.allreduce(1.0 if bw.sync_enabled else 0.0, bw.passes)
+                          if joining else None)
         if self.config.dynamic_unused:  # (an MoE layer's aux_loss: an output of the forward)
             (collect_aux_outputs if bw.sync_enabled else stop_aux_outputs)(self)
 
