@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import tribucket
 from tribucket import hooks
 from models import batch, build, loss_of
+from test_failure_modes import _max_error, _reference_grads
 
 TIMEOUT = datetime.timedelta(seconds=4)
 STEPS = 4
@@ -167,17 +168,6 @@ def test_a_problem_in_the_last_backward_raises_at_close(dist_run):
         _names_rank1(rank, msg)
 
 
-def _reference_grads(step):
-    """Every rank's gradient of its batch on a plain copy of the model, averaged."""
-    ref = build("mlp")
-    loss_of(ref(batch("mlp", dist.get_rank(), step))).backward()
-    grads = [p.grad.detach().clone() for p in ref.parameters()]
-    for g in grads:
-        dist.all_reduce(g)
-        g /= dist.get_world_size()
-    return grads
-
-
 def _extra_forward(deferred):
     """Rank 1 runs one training forward without a backward before its step 1: the ranks'
     forward counts differ from then on. Per step: ('ok', max |grad - reference|) or
@@ -193,8 +183,7 @@ def _extra_forward(deferred):
                 model(batch("mlp", rank, step))  # a forward without backward
             try:
                 loss_of(model(batch("mlp", rank, step))).backward()
-                out.append(("ok", max((p.grad - g).abs().max().item() for p, g in
-                                      zip(model.parameters(), _reference_grads(step)))))
+                out.append(("ok", _max_error(model, _reference_grads("mlp", step))))
             except RuntimeError as e:
                 out.append(("error", str(e)))
     return out
