@@ -34,6 +34,7 @@ from typing import Sequence
 
 import torch
 
+from .host import host_ints  # noqa: F401 - used here and by tribucket.moe
 from .moe_reference import (
     moe_counts_reference,
     moe_permute_rows,
@@ -528,17 +529,6 @@ def grouped_mm_aligned(w_GIO: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM takes ``w_GIO``: rows of a multiple of 16 bytes (its last
     two dimensions: 4 fp32, 8 bf16 elements)."""
     return all(n * w_GIO.element_size() % 16 == 0 for n in w_GIO.shape[1:])
-
-
-def host_ints(values: Sequence[int], device: torch.device | str,
-              dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """``torch.tensor(values, dtype=dtype, device=device)`` without a host stall: on a GPU the
-    list goes through pinned memory and a non-blocking copy, so the host does not wait for
-    the stream to drain (a pageable copy synchronises it)."""
-    t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def grouped_matmul(x_RI: torch.Tensor, w_GIO: torch.Tensor, counts: list[int] | tuple[int, ...],

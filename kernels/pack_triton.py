@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from .host import host_ints, to_device
 from .pack_torch import _getter
 
 try:  # triton is optional: the torch path never needs it, and importing tribucket must not
@@ -241,14 +242,16 @@ class _TritonTables:
         self.getter = _getter(idx)
         sz = [sizes[i] for i in idx]
         off = [offsets[i] for i in idx]
-        self.sizes = torch.tensor(sz, dtype=torch.int64, device=device)
-        self.offsets = torch.tensor(off, dtype=torch.int64, device=device)
+        # built in a backward hook: pinned, non-blocking copies, so the host does not wait
+        # for the device's queued work (a pageable copy would) on the first pass of a layout
+        self.sizes = host_ints(sz, device, torch.int64)
+        self.offsets = host_ints(off, device, torch.int64)
         # the vector widths (in elements) every size and offset allows: 2, 4, 8, 16 or none
         self._aligns = {v for v in (2, 4, 8, 16)
                         if all(x % v == 0 for x in sz) and all(x % v == 0 for x in off)}
         bt, bs = _block_map(sz, BLOCK)
-        self.block_tensor = bt.to(device)
-        self.block_start = bs.to(device)
+        self.block_tensor = to_device(bt, device)
+        self.block_start = to_device(bs, device)
         self.nblocks = len(bt)
         self.device = device
         self._ptr_key: tuple[int, ...] | None = None
@@ -267,10 +270,7 @@ class _TritonTables:
         """The int64 pointer table, rebuilt only when the data_ptr()s change."""
         key = tuple([0 if t is None else t.data_ptr() for t in self.getter(tensors)])
         if key != self._ptr_key:
-            host = torch.tensor(key, dtype=torch.int64)
-            if self.device.type == "cuda":  # async copy: no host sync in a backward hook
-                host = host.pin_memory()
-            self._ptrs = host.to(self.device, non_blocking=True)
+            self._ptrs = host_ints(key, self.device, torch.int64)
             self._ptr_key = key
             self._ptrs_aligned = all(p % _VEC_BYTES == 0 for p in key)
         return self._ptrs

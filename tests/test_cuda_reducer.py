@@ -29,13 +29,14 @@ def test_gradients_equal_ddp_on_the_gpu(result, model, variant):
 def test_the_host_runs_ahead_of_the_device_after_backward(result):
     """With 100 ms of device work in each backward, the device is still busy when backward
     returns, as with DDP: the status is read one backward later (``deferred_status``, the
-    default on a GPU). Read at once, the host waits for the device there. The first two
-    backwards also wait: the first rebuilds the layout, which reads the status at once, and
-    the second is the first with the rebuilt layout, whose pack kernel copies its tables to
-    the device once (its backward's host time equals the device work, 100 ms or 1 s)."""
+    default on a GPU). Read at once, the host waits for the device there. Only the first
+    backward waits: it rebuilds the layout, which reads the status at once. The second, the
+    first with the rebuilt layout, copies its pack tables to the device through pinned
+    memory, so it does not wait either (this runs after the variants above: in a fresh
+    process the first launch of a kernel can still wait, as CUDA loads kernels lazily)."""
     r = result["host_runs_ahead"]
     assert r["DDP"][1:] == [True] * 4, r
-    assert r["tribucket"][2:] == [True] * 3, r
+    assert r["tribucket"][1:] == [True] * 4, r
     assert r["tribucket immediate"] == [False] * 5, r
 
 
