@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import os
 
 import torch
@@ -70,7 +69,6 @@ def main() -> None:
                       f"{loss.item():.3f} grad norm {norm.item():.3f} with "
                       f"{manager.num_participants()} group(s)", flush=True)
     manager.shutdown(wait=False)
-    gc.collect()
     dist.destroy_process_group()
 
 

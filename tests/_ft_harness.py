@@ -42,9 +42,10 @@ class FTRun:
     """The processes of one run; ``close()`` (or leaving the ``with``) kills what is left."""
 
     def __init__(self, workdir: str, heartbeat_timeout_ms: int = 5000,
-                 join_timeout_ms: int = 2000):
+                 join_timeout_ms: int = 2000, min_replicas: int = 1):
         self.dir = workdir
         self.heartbeat_timeout_ms, self.join_timeout_ms = heartbeat_timeout_ms, join_timeout_ms
+        self.min_replicas = min_replicas
         self.procs: list[subprocess.Popen] = []
         self.address = ""
         self.logs: dict[str, str] = {}
@@ -59,7 +60,7 @@ class FTRun:
         port = free_port()
         out = open(os.path.join(self.dir, "lighthouse.log"), "w")
         self.procs.append(subprocess.Popen(
-            [lighthouse_binary(), "--min_replicas", "1", "--quorum_tick_ms", "100",
+            [lighthouse_binary(), "--min_replicas", str(self.min_replicas), "--quorum_tick_ms", "100",
              "--join_timeout_ms", str(self.join_timeout_ms),
              "--heartbeat_timeout_ms", str(self.heartbeat_timeout_ms),
              "--bind", f"127.0.0.1:{port}"], stdout=out, stderr=subprocess.STDOUT))
@@ -86,6 +87,12 @@ class FTRun:
         argv = [sys.executable, worker, "--log", log, "--params", params]
         for k, v in options.items():
             argv += [f"--{k.replace('_', '-')}", str(v)]
+        return self.start(replica, tag, argv, env_over)
+
+    def start(self, replica: int, tag: str, argv: list[str],
+              env_over: dict | None = None) -> subprocess.Popen:
+        """Run ``argv`` as replica group ``replica`` (one process, its own session), its
+        output to ``<tag>.out``."""
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                    RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                    REPLICA_GROUP_ID=str(replica), TORCHFT_LIGHTHOUSE=self.address,
