@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Sequence
 
 import torch
 
-from .host import host_ints  # noqa: F401 - used here and by tribucket.moe
+from .host import host_ints
 from .moe_reference import (
     moe_counts_reference,
     moe_permute_rows,
