@@ -650,3 +650,49 @@ def test_a_peer_that_refused_the_state_is_named_on_the_others(dist_run):
                            teardown=True)
     assert "saved by rank 0 of 2" in results[1], results[1]
     assert "rank 1" in results[0] and "saved by rank 0" in results[0], results[0]
+
+
+# ------------------------------------------------------------ requires_grad changed mid-run
+def _requires_grad_changes(change):
+    """Two steps, then ``layers[0].weight`` is unfrozen (it was frozen on entering) or frozen
+    (it was trained), then a step; then the fix the error gives (enter again) and a step."""
+    rank = dist.get_rank()
+    model = build("mlp")
+    weight = model.layers[0].weight
+    weight.requires_grad_(change == "freeze")
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT):
+        for step in range(2):
+            model.zero_grad()
+            loss_of(model(batch("mlp", rank, step))).backward()
+        weight.requires_grad_(change == "unfreeze")
+        model.zero_grad()
+        kind, message = _outcome(lambda: loss_of(model(batch("mlp", rank, 2))).backward())
+        # on main, an unfrozen weight trained on this rank's gradient alone
+        local = None if weight.grad is None else weight.grad.norm().item()
+    model.zero_grad()
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT):
+        loss_of(model(batch("mlp", rank, 3))).backward()
+    ref = _reference_grads("mlp", 3)
+    error = max((p.grad - g).abs().max().item() for p, g in zip(model.parameters(), ref)
+                if p.requires_grad)
+    return kind, message, local, error, weight.grad is None
+
+
+@pytest.mark.parametrize("change", ["unfreeze", "freeze"])
+def test_requires_grad_changed_after_entering_is_named(dist_run, change):
+    """Unfreezing a parameter that was frozen on entering would train it on each rank's own
+    gradient (DDP does, silently): the next training forward raises on every rank, naming
+    it. Freezing an averaged one leaves it without a gradient: the backward's error says
+    why. Either way, entering fused_bucketing again averages the new set."""
+    results = dist_run(_requires_grad_changes, change)
+    for kind, message, local, error, no_grad in results:
+        assert kind == "error", f"{change}: no error (this rank's weight.grad norm: {local})"
+        assert "layers.0.weight" in message, message
+        if change == "unfreeze":
+            assert "require grad when fused_bucketing was entered" in message, message
+            assert "leave fused_bucketing and enter it again" in message, message
+        else:
+            assert "no longer require grad" in message, message
+            assert "enter it again" in message, message
+            assert no_grad
+        assert error < 1e-6, f"{change}: after entering again, max |grad - reference| {error}"

@@ -416,7 +416,7 @@ class Backward:
             self._check_steps(status)  # before the gradients reach .grad
             counts = self.status.problems(status)
             if sum(counts) > 0:
-                self.status.raise_problems(missing, counts, p.errors)
+                self.status.raise_problems(missing, counts, p.errors, self._frozen(missing))
         global_used = None
         if used is not None:
             global_used = self.status.used(status)
@@ -465,6 +465,13 @@ class Backward:
         if self.tuner is not None:  # bucket_cap_mb="auto": measure, maybe re-lay (autotune.py)
             self.tuner.after_step(self, st.backward_compute_s + st.comm_exposed_s)
 
+    def _frozen(self, names: list[str]) -> list[str]:
+        """Those of the parameters ``names`` that no longer require grad (for the error)."""
+        if not names:
+            return []
+        by_name = dict(zip(self.names, self.params))
+        return [n for n in names if n in by_name and not by_name[n].requires_grad]
+
     def _resolve_pending(self, where: str, swallow: bool = False) -> Exception | None:
         """Read the status a deferred pass left (see ``deferred_status``) and raise what it
         reports, as the pass itself would have (``swallow``: return it instead). Called at
@@ -478,7 +485,8 @@ class Backward:
             self._check_steps(status)
             counts = self.status.problems(status)
             if sum(counts) > 0:
-                self.status.raise_problems(pending.missing, counts, pending.errors)
+                self.status.raise_problems(pending.missing, counts, pending.errors,
+                                           self._frozen(pending.missing))
         except RuntimeError as e:
             error = RuntimeError(
                 f"tribucket (rank {self.rank}): in backward iteration {pending.iteration}, "

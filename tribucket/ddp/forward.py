@@ -44,6 +44,9 @@ class Forward:
         self.joinable, self.backward_start = joinable, backward_start
         self.require_param_sync = True  # broadcast buffers before the next forward
         self.step_boundary: Callable | None = None  # called before each training forward
+        #: (name, parameter) of the model's parameters that did not require grad on entering
+        #: (not averaged): one that requires grad now would train unaveraged on every rank
+        self.frozen: list[tuple[str, torch.Tensor]] = []
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         joining = self.joinable._join_config.enable
@@ -59,6 +62,9 @@ class Forward:
             return
         if bw.pass_ is not None and torch._C._current_graph_task_id() == -1:
             bw.settle_abandoned()  # outside any backward: the last one raised
+        if self.frozen and any(p.requires_grad for _, p in self.frozen):
+            # (before this forward's collectives: every rank that unfroze raises here)
+            raise RuntimeError(unfrozen_error([n for n, p in self.frozen if p.requires_grad]))
         bw.joining = joining  # (a pass under join() reads its status at once)
         if self.step_boundary is not None and bw.pass_ is None:
             self.step_boundary()
@@ -135,3 +141,17 @@ class Forward:
         bw.passes += 1
         if sync:
             bw.shadow_pass()
+
+
+def unfrozen_error(names: list[str]) -> str:
+    """The error of a training forward after parameters that were frozen on entering
+    ``fused_bucketing`` were set to require grad."""
+    shown = ", ".join(names[:10]) + (" ..." if len(names) > 10 else "")
+    return (f"tribucket: {len(names)} parameter(s) did not require grad when fused_bucketing "
+            f"was entered and require it now ({shown}). The reducer averages the parameters "
+            "that required grad when it was built, so these would train on each rank's own "
+            "gradient and the ranks' models would drift apart (torch DDP lets them, "
+            "silently). After changing requires_grad (unfreezing layers, for example), leave "
+            "fused_bucketing and enter it again (or build a new DistributedDataParallel): the "
+            "new reducer averages the new set. A parameter meant to train on each rank alone "
+            "belongs in ignore_parameters.")

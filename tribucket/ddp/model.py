@@ -32,6 +32,8 @@ class ModelView:
     device: torch.device
     #: per parameter: its module produces sparse gradients (Embedding(sparse=True))
     expect_sparse: list[bool]
+    #: (name, parameter) of those in ``state_params`` that do not require grad (not averaged)
+    frozen: list[tuple[str, torch.Tensor]]
 
 
 def module_buffers(module: nn.Module, ignore_names) -> list[tuple[str, torch.Tensor]]:
@@ -90,7 +92,8 @@ def inspect_model(module: nn.Module, ignore_parameters: tuple, only=None) -> Mod
     return ModelView(state_params, buffers, names, params,
                      {id(p): i for i, p in enumerate(params)},
                      params[0].device if params else torch.device("cpu"),
-                     [id(p) in sparse_ids for p in params])
+                     [id(p) in sparse_ids for p in params],
+                     [(n, p) for n, p in state_params if not p.requires_grad])
 
 
 def expert_replica_sets(module: nn.Module, ignore_parameters: tuple) -> list[tuple]:

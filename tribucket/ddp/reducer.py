@@ -129,6 +129,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         self._forward = Forward(config, self._bw, self._guard, self._join_flags, self._params,
                                 self._current_buffers, self.world_size, self,
                                 self._hook_ref(self._bw, "on_backward_start"))
+        self._forward.frozen = view.frozen
         self._attach()
         #: reducers averaging expert replicas over their replica groups (expert x data
         #: parallelism), one per replica group, built with this reducer's options

@@ -186,8 +186,9 @@ class Status:
             "collective that differs.")
 
     def raise_problems(self, missing_names: list[str], counts: list[float],
-                       errors: list[str]) -> None:
-        """Raise the error every rank raises when some rank reported a problem."""
+                       errors: list[str], frozen: list[str] = ()) -> None:
+        """Raise the error every rank raises when some rank reported a problem (``frozen``:
+        those of ``missing_names`` that no longer require grad)."""
         ranks = [f"rank {r}: {int(c)}" for r, c in enumerate(counts) if c > 0]
         if errors:
             raise RuntimeError(f"tribucket (rank {self.rank}): {errors[0]}"
@@ -197,10 +198,18 @@ class Status:
                 f"tribucket: another rank reported a problem in this backward pass "
                 f"({', '.join(ranks)}); see its error. This rank's gradients were not averaged.")
         names = missing_names
+        why = ""
+        if frozen:
+            why = (f" {len(frozen)} of them no longer require grad ({', '.join(frozen[:10])}"
+                   f"{' ...' if len(frozen) > 10 else ''}): the reducer averages the "
+                   "parameters that required grad when it was built. After changing "
+                   "requires_grad (freezing layers, for example), leave fused_bucketing and "
+                   "enter it again (or build a new DistributedDataParallel), so that the new "
+                   "reducer averages the new set.")
         raise RuntimeError(
             "tribucket: some parameters received no gradient in this backward pass "
             f"({', '.join(ranks)} parameters missing). This rank ({self.rank}) got no gradient "
-            f"for: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}. Every rank "
+            f"for: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}.{why} Every rank "
             "still completed its collectives, so none is left waiting. If parts of the model "
             "are legitimately unused, pass find_unused_parameters=True to fused_bucketing (or "
             "static_graph=True if the unused set never changes); otherwise make sure every "
