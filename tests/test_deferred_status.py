@@ -224,3 +224,31 @@ def test_join_with_the_status_read_late_equals_ddp(dist_run):
 def test_deferred_status_option_is_checked():
     with pytest.raises(TypeError, match="deferred_status must be True, False or None"):
         tribucket.ReducerConfig(deferred_status="yes")
+
+
+def _frozen_with_the_status_read_late():
+    """``layers.0.weight`` frozen on every rank before step 2's forward."""
+    rank = dist.get_rank()
+    model = build("mlp")
+    try:
+        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT,
+                                       deferred_status=True):
+            for step in range(4):
+                if step == 2:
+                    model.layers[0].weight.requires_grad_(False)
+                loss_of(model(batch("mlp", rank, step))).backward()
+                model.zero_grad()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_parameter_frozen_mid_run_is_named_one_backward_later(dist_run):
+    """Read one backward later, the missing gradient of a parameter frozen after entering
+    still says that it no longer requires grad, and how to average the new set."""
+    for msg in dist_run(_frozen_with_the_status_read_late, world_size=2, timeout=60):
+        assert msg is not None, "no error"
+        # (iterations count from 1: step 2 is backward iteration 3)
+        assert "in backward iteration 3, reported at backward iteration 4" in msg, msg
+        assert "layers.0.weight" in msg and "no longer require grad" in msg, msg
+        assert "enter it again" in msg, msg
