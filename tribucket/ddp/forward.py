@@ -22,6 +22,7 @@ from ..config import ReducerConfig
 from .backward import Backward
 from .graph import output_tensors, reachable_parameters
 from .join import JoinFlags
+from .status import unfrozen_error
 from .watchdog import CommGuard
 
 __all__ = ["Forward"]
@@ -142,16 +143,3 @@ class Forward:
         if sync:
             bw.shadow_pass()
 
-
-def unfrozen_error(names: list[str]) -> str:
-    """The error of a training forward after parameters that were frozen on entering
-    ``fused_bucketing`` were set to require grad."""
-    shown = ", ".join(names[:10]) + (" ..." if len(names) > 10 else "")
-    return (f"tribucket: {len(names)} parameter(s) did not require grad when fused_bucketing "
-            f"was entered and require it now ({shown}). The reducer averages the parameters "
-            "that required grad when it was built, so these would train on each rank's own "
-            "gradient and the ranks' models would drift apart (torch DDP lets them, "
-            "silently). After changing requires_grad (unfreezing layers, for example), leave "
-            "fused_bucketing and enter it again (or build a new DistributedDataParallel): the "
-            "new reducer averages the new set. A parameter meant to train on each rank alone "
-            "belongs in ignore_parameters.")

@@ -200,20 +200,39 @@ class Status:
         names = missing_names
         why = ""
         if frozen:
-            why = (f" {len(frozen)} of them no longer require grad ({', '.join(frozen[:10])}"
-                   f"{' ...' if len(frozen) > 10 else ''}): the reducer averages the "
-                   "parameters that required grad when it was built. After changing "
-                   "requires_grad (freezing layers, for example), leave fused_bucketing and "
-                   "enter it again (or build a new DistributedDataParallel), so that the new "
-                   "reducer averages the new set.")
+            why = (f" {len(frozen)} of them no longer require grad ({_listed(frozen, 10)}): the "
+                   "reducer averages the parameters that required grad when it was built. "
+                   + _reenter("freezing"))
         raise RuntimeError(
             "tribucket: some parameters received no gradient in this backward pass "
             f"({', '.join(ranks)} parameters missing). This rank ({self.rank}) got no gradient "
-            f"for: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}.{why} Every rank "
+            f"for: {_listed(names, 20)}.{why} Every rank "
             "still completed its collectives, so none is left waiting. If parts of the model "
             "are legitimately unused, pass find_unused_parameters=True to fused_bucketing (or "
             "static_graph=True if the unused set never changes); otherwise make sure every "
             "parameter contributes to the loss.")
+
+
+def _listed(names: list[str], limit: int) -> str:
+    return ", ".join(names[:limit]) + (" ..." if len(names) > limit else "")
+
+
+def _reenter(change: str) -> str:
+    """The fix for a requires_grad changed after the reducer was built."""
+    return (f"After changing requires_grad ({change} layers, for example), leave "
+            "fused_bucketing and enter it again (or build a new DistributedDataParallel): the "
+            "new reducer averages the new set.")
+
+
+def unfrozen_error(names: list[str]) -> str:
+    """The error of a training forward after parameters that were frozen on entering
+    ``fused_bucketing`` were set to require grad."""
+    return (f"tribucket: {len(names)} parameter(s) did not require grad when fused_bucketing "
+            f"was entered and require it now ({_listed(names, 10)}). The reducer averages the "
+            "parameters that required grad when it was built, so these would train on each "
+            "rank's own gradient and the ranks' models would drift apart (torch DDP lets them, "
+            "silently). " + _reenter("unfreezing") + " A parameter meant to train on each rank "
+            "alone belongs in ignore_parameters.")
 
 
 def second_gradient_error(name: str, found_unused: bool) -> str:
