@@ -29,7 +29,7 @@ pytest.importorskip("torchft", reason="torchft is not installed: pip install 'tr
                     "with torch pinned (make venv installs it)")
 
 import _ft_worker as W  # noqa: E402
-from _ft_harness import FTRun, free_port, start_together  # noqa: E402
+from _ft_harness import FTRun, Zygote, free_port, start_together  # noqa: E402
 
 import tribucket  # noqa: E402
 
@@ -75,9 +75,19 @@ def _check_against_reference(got: dict[int, torch.Tensor], participants: dict[in
 
 
 # ------------------------------------------------------------------ multi-process runs
+@pytest.fixture(scope="module")
+def zygote():
+    """The Lighthouses and replica groups of these runs are forked from one process that
+    imported torch, torchft and tribucket once (each is still a process of its own, see
+    ``_ft_harness``); the example's groups are new interpreters, since how they exit is
+    what is tested."""
+    with Zygote() as z:
+        yield z
+
+
 @pytest.mark.ft
 @pytest.mark.timeout(300)
-def test_kill_survive_and_recover_live(tmp_path):
+def test_kill_survive_and_recover_live(tmp_path, zygote):
     """Replica 1 is SIGKILLed in the backward of step K: replica 0 drops that step (no
     half-applied update), commits the next ones alone within the heartbeat timeout + 2 s,
     and replica 1, restarted, recovers model, optimizer and reducer state from replica 0
@@ -95,7 +105,7 @@ def test_kill_survive_and_recover_live(tmp_path):
             sub = tmp_path / f"async{mode}"
             sub.mkdir()
             run = runs[mode] = stack.enter_context(
-                FTRun(str(sub), heartbeat_timeout_ms=int(heartbeat_s * 1000)))
+                FTRun(str(sub), heartbeat_timeout_ms=int(heartbeat_s * 1000), zygote=zygote))
             run.lighthouse()
             # the survivor steps on (slowly) until the test writes the last step into `stop`
             survivors[mode] = run.replica(0, steps=10_000, sleep=0.1, go=str(sub / "go"),
@@ -177,7 +187,7 @@ def _check_kill_run(run: FTRun, K: int, heartbeat_s: float, t_restart: float,
 
 @pytest.mark.ft
 @pytest.mark.timeout(180)
-def test_three_replicas_two_failures(tmp_path):
+def test_three_replicas_two_failures(tmp_path, zygote):
     """Three replica groups; replica 1 is SIGKILLed in its backward at step K1, replica 2 in
     its optimizer step at step K2 (after ``should_commit()`` said yes, before its parameters
     changed). Replica 0 never stops: it drops only the step in flight at the first kill
@@ -185,7 +195,8 @@ def test_three_replicas_two_failures(tmp_path):
     with 3, then 2, then 1 participants, each equal to the dense reference of the
     participating replicas' batches; replica 2, while it lived, equals it bit for bit."""
     K1, K2, steps, heartbeat_s = 2, 5, 8, 2.0
-    with FTRun(str(tmp_path), heartbeat_timeout_ms=int(heartbeat_s * 1000)) as run:
+    with FTRun(str(tmp_path), heartbeat_timeout_ms=int(heartbeat_s * 1000),
+               zygote=zygote) as run:
         run.lighthouse()
         go = str(tmp_path / "go")
         r0 = run.replica(0, steps=steps, go=go)
@@ -220,12 +231,12 @@ def test_three_replicas_two_failures(tmp_path):
 
 @pytest.mark.ft
 @pytest.mark.timeout(120)
-def test_without_a_manager_the_survivor_raises(tmp_path):
+def test_without_a_manager_the_survivor_raises(tmp_path, zygote):
     """The control case: the same kill against plain ``fused_bucketing`` (one gloo group of
     two processes, ``timeout=``) ends the survivor with an error naming the dead rank, in
     the step of the kill; it commits nothing after it. Surviving is the manager's doing."""
     K = 3
-    with FTRun(str(tmp_path)) as run:
+    with FTRun(str(tmp_path), zygote=zygote) as run:
         env = {"MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
         go = str(tmp_path / "go")
         r0 = run.replica(0, impl="plain", steps=10, timeout=5, go=go, env_over=env)
@@ -244,7 +255,7 @@ def test_without_a_manager_the_survivor_raises(tmp_path):
 
 @pytest.mark.ft
 @pytest.mark.timeout(240)
-def test_fp16_clip_and_torchft_ddp_baseline(tmp_path):
+def test_fp16_clip_and_torchft_ddp_baseline(tmp_path, zygote):
     """fp16 fused compression + tribucket's clip through the manager, and torchft's own
     DistributedDataParallel on the same data, both against the dense reference."""
     steps, clip = 8, 0.5
@@ -254,7 +265,7 @@ def test_fp16_clip_and_torchft_ddp_baseline(tmp_path):
         for impl, hook, _ in cases:
             sub = tmp_path / impl
             sub.mkdir()
-            run = runs[impl] = stack.enter_context(FTRun(str(sub)))
+            run = runs[impl] = stack.enter_context(FTRun(str(sub), zygote=zygote))
             run.lighthouse()
             procs[impl] = [run.replica(r, steps=steps, impl=impl, hook=hook, clip=clip,
                                        go=str(sub / "go")) for r in (0, 1)]
@@ -304,7 +315,7 @@ def _example_reference(steps: int, healing: set) -> dict[int, tuple[list[float],
 
 @pytest.mark.ft
 @pytest.mark.timeout(180)
-def test_the_example_trains_two_groups_and_exits_cleanly(tmp_path):
+def test_the_example_trains_two_groups_and_exits_cleanly(tmp_path, zygote):
     """``examples/torchft_train.py``, as docs/reliability.md runs it, on two replica groups
     (the Lighthouse waits for both before the first step): both exit 0 with no
     ``gc.collect()`` in the script (tribucket's exit handler settles the groups), and what
@@ -315,8 +326,8 @@ def test_the_example_trains_two_groups_and_exits_cleanly(tmp_path):
                           "examples", "torchft_train.py")
     with open(script) as f:
         assert "gc.collect" not in f.read(), "the example must not need gc.collect()"
-    with FTRun(str(tmp_path), min_replicas=2) as run:
-        run.lighthouse()
+    with FTRun(str(tmp_path), min_replicas=2, zygote=zygote) as run:
+        run.lighthouse()  # forked; the groups below are new interpreters
         procs = [run.start(r, f"ex{r}", [sys.executable, script, "--steps", str(steps)])
                  for r in (0, 1)]
         for r, proc in enumerate(procs):
