@@ -130,11 +130,13 @@ def _context():
     """Workers are forked from a fork server that has imported torch once for the session,
     not spawned (each spawned worker imported torch itself: about 2 s of CPU per worker, and
     the suite starts a pool for each world size and again after every test that breaks
-    one). They share no state with the test process (the server is a process of its own that
-    ran nothing but the imports), they get the test process's environment and sys.path, and
-    import tribucket and the test modules themselves."""
+    one). The server also imports ``torch._dynamo``, which torch.optim imports at a
+    process's first optimizer (another 2 s of CPU per worker). Workers share no state with
+    the test process (the server is a process of its own that ran nothing but the imports),
+    they get the test process's environment and sys.path, and import tribucket and the test
+    modules themselves."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
     return ctx
 
 
