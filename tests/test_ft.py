@@ -85,6 +85,37 @@ def zygote():
         yield z
 
 
+
+_CHILD = """
+import os, signal, sys
+how = sys.argv[1]
+print(os.environ.get("CHECK"), "PATH" in os.environ, os.getsid(0) == os.getpid(), sys.argv[1:])
+sys.stdout.flush()
+if how == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if how == "raise":
+    raise ValueError("from the child")
+sys.exit(int(how))
+"""
+
+
+def test_forked_processes_report_like_popen(zygote, tmp_path):
+    """What the runs below rely on: a forked child has exactly the environment it was given
+    (none of the zygote's), a session of its own (the runs kill its process group), its
+    argv, and its exit code as ``Popen`` reports one: the script's code, -9 for a SIGKILL,
+    1 and the traceback for an exception."""
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    want = {"0": 0, "3": 3, "kill": -9, "raise": 1}
+    procs = {how: zygote.spawn([sys.executable, str(script), how], {"CHECK": how},
+                               str(tmp_path / f"{how}.out")) for how in want}
+    for how, proc in procs.items():
+        assert proc.wait(30) == want[how], (how, (tmp_path / f"{how}.out").read_text())
+        out = (tmp_path / f"{how}.out").read_text()
+        assert out.startswith(f"{how} False True ['{how}']\n"), out
+    assert "ValueError: from the child" in (tmp_path / "raise.out").read_text()
+
+
 @pytest.mark.ft
 @pytest.mark.timeout(300)
 def test_kill_survive_and_recover_live(tmp_path, zygote):
