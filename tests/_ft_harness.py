@@ -90,7 +90,7 @@ class Zygote:
                      OMP_NUM_THREADS="1"))
         self.replies: queue.Queue = queue.Queue()
         self.exits: dict[int, int] = {}
-        self.lock = threading.Lock()
+        self.lock, self.spawning = threading.Lock(), threading.Lock()
         threading.Thread(target=self._read, daemon=True).start()
         try:
             self.replies.get(timeout=timeout)  # {"ready": true} once the imports are done
@@ -111,9 +111,10 @@ class Zygote:
     def spawn(self, argv: list[str], env: dict, out: str) -> Forked:
         """Run the script ``argv[1]`` with arguments ``argv[2:]`` as ``python`` would, in a
         child with exactly ``env`` as its environment and its output to the file ``out``."""
-        self.proc.stdin.write(json.dumps(dict(argv=argv, env=env, out=out)).encode() + b"\n")
-        self.proc.stdin.flush()
-        msg = self.replies.get(timeout=30)
+        with self.spawning:  # one request in flight: its reply is the next one
+            self.proc.stdin.write(json.dumps(dict(argv=argv, env=env, out=out)).encode() + b"\n")
+            self.proc.stdin.flush()
+            msg = self.replies.get(timeout=30)
         if "pid" not in msg:
             raise RuntimeError(f"the zygote exited (code {self.proc.poll()})")
         return Forked(self, msg["pid"], argv)
