@@ -196,9 +196,10 @@ def _zygote_child(req: dict) -> None:
         try:
             runpy.run_path(script, run_name="__main__")
             code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-            if not isinstance(e.code, int) and e.code is not None:
+        except SystemExit as e:  # as python exits: None is 0, a message is printed and 1
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
                 print(e.code, file=sys.stderr)
         except BaseException:  # noqa: BLE001 - reported as python would, exit code 1
             traceback.print_exc()
