@@ -85,7 +85,6 @@ def zygote():
         yield z
 
 
-
 _CHILD = """
 import os, signal, sys
 how = sys.argv[1]
@@ -99,6 +98,7 @@ sys.exit(int(how))
 """
 
 
+@pytest.mark.ft
 def test_forked_processes_report_like_popen(zygote, tmp_path):
     """What the runs below rely on: a forked child has exactly the environment it was given
     (none of the zygote's), a session of its own (the runs kill its process group), its
