@@ -142,4 +142,3 @@ class Forward:
         bw.passes += 1
         if sync:
             bw.shadow_pass()
-
