@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tribucket._tags import is_expert_parallel
-from tribucket.moe import MoEDispatcher, MoELayer
+from tribucket.moe import FixedShadowPolicy, MoEDispatcher, MoELayer
 from tribucket.testing import moe_routings
 
 D, F = 12, 20  # model and expert hidden width of the parity tests
@@ -418,6 +418,45 @@ def _bad_input_worker():
     torch.manual_seed(0)
     out["healthy"] = _in_step(MoELayer([nn.Linear(D, D)], W, D, top_k=1))
     return out
+
+
+def _bad_shared_expert_worker():
+    """A shared expert that returns the wrong shape or raises on the last rank only, in each
+    schedule: every rank raises, the bad one its own error."""
+    W = dist.get_world_size()
+    out = {}
+    for how in ("shape", "raise"):
+        shared = _BadOnRank(bad_rank=W - 1, how=how)
+        for name, kwargs in (("alltoall", {}), ("dedup", dict(dedup=True)),
+                             ("pairwise", dict(schedule="pairwise")),
+                             ("shadowed", dict(shadow_policy=FixedShadowPolicy([0])))):
+            layer = MoELayer([nn.Linear(D, D)], W, D, top_k=1, shared_experts=shared, **kwargs)
+            for grad in (True, False):
+                with torch.set_grad_enabled(grad):
+                    x = torch.randn(6, D, requires_grad=grad)
+                    out[f"{how} {name} grad={grad}"] = _error_of(lambda: layer(x))
+    torch.manual_seed(0)
+    out["healthy"] = _in_step(MoELayer([nn.Linear(D, D)], W, D, top_k=1))
+    return out
+
+
+@pytest.mark.dist
+def test_a_bad_shared_expert_on_one_rank_raises_on_every_rank(dist_run):
+    # before, a shared expert of the wrong shape raised torch's broadcasting error on its
+    # own rank only, after the forward's last exchange: the others went on into backward
+    results = dist_run(_bad_shared_expert_worker, world_size=2)
+    for key, got in results[1].items():
+        if key.startswith("shape"):
+            assert got[0] == "ValueError", (key, got)
+            assert "shared expert 0 on rank 1 returned (" in got[1], (key, got)
+            assert ", 11) for an input of shape [" in got[1], (key, got)
+        elif key.startswith("raise"):
+            assert got == ("KeyError", "'expert exploded'"), (key, got)
+    for key, got in results[0].items():
+        if key != "healthy":
+            assert got is not None and got[0] == "RuntimeError", (key, got)
+            assert "rank(s) [1]" in got[1] and "shared" in got[1], (key, got)
+    assert results[0]["healthy"] and results[1]["healthy"]
 
 
 def _in_step(layer) -> bool:

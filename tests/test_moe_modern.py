@@ -320,8 +320,13 @@ def test_new_arguments_are_checked():
         MoELayer(ex, 2, D, bias_update_rate=-1.0)
     with pytest.raises(ValueError, match="shared_experts=") :
         MoELayer(ex, 2, D, shared_gate=True)
-    with pytest.raises(TypeError, match="shared_experts"):
-        MoELayer(ex, 2, D, shared_experts=[1])
+    for bad in ([1], 3):  # not iterable: named too (before, Python's "not iterable")
+        with pytest.raises(TypeError, match="shared_experts must be a module"):
+            MoELayer(ex, 2, D, shared_experts=bad)
+    wide = MoELayer(ex, 2, D, shared_experts=[nn.Linear(D, D), nn.Linear(D, D + 1)])
+    with pytest.raises(ValueError, match=r"shared expert 1 on rank 0 returned \(5, 13\) for an "
+                                         r"input of shape \[5, 12\]"):
+        wide(torch.randn(5, D))
     with pytest.raises(ValueError, match="to_experts"):
         MoELayer(GroupedExperts(2, D, F), 2, D, schedule="pairwise")
     ex4 = _experts("swiglu", 4, seed=6)

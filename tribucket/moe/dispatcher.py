@@ -587,8 +587,8 @@ class MoEDispatcher:
         if bad and not failed:
             raise RuntimeError(
                 f"rank(s) {bad} of the expert-parallel group could not produce their expert "
-                f"output (see the error raised there); rank {self.rank} drops the rows they "
-                f"returned")
+                f"output (a routed or a shared expert failed: see the error raised there); "
+                f"rank {self.rank} drops the rows they returned")
         return back_BD, side_out
 
     def _unpermute_flagged(self, back_BD: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:

@@ -13,6 +13,7 @@ import copy
 import datetime
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -526,14 +527,20 @@ class MoELayer(nn.Module):
                 y_TD = disp.combine(outputs, meta, by_source=by_source)
         else:  # the pipeline (a single step, every peer at once, for "alltoall" + shadows)
             group_size = self.group_size if self.schedule == "pairwise" else disp.world_size
+            failure = None
+            if self.shared_experts is not None:  # first, so its failure rides on the pipeline's
+                try:
+                    shared_TD = self._shared_forward(x_TD)
+                except Exception as error:  # noqa: BLE001 - raised once the pipeline completes
+                    failure = error
             back_ND = pipelined_experts(
                 disp.permute(x_TD, meta), meta, self.local_experts, rank=disp.rank,
                 world_size=disp.world_size, group=disp.group, group_size=group_size,
                 shadowed=shadowed, check_output=disp.check_expert_output,
-                expert_numel=self.expert_numel)
+                expert_numel=self.expert_numel, failure=failure)
             y_TD = disp.unpermute(back_ND, meta)
         if self.shared_experts is not None:
-            if shared_TD is None:  # one rank (nothing in flight), or the pipelined schedule
+            if shared_TD is None:  # one rank (nothing in flight)
                 shared_TD = self._shared_forward(x_TD)
             y_TD = y_TD + shared_TD.to(y_TD.dtype)
 
@@ -631,9 +638,15 @@ class MoELayer(nn.Module):
 
     def _shared_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The sum of the shared experts' outputs, times ``sigmoid(gate(x))`` when gated."""
-        out_TD = self.shared_experts[0](x_TD)
-        for expert in list(self.shared_experts)[1:]:
-            out_TD = out_TD + expert(x_TD)
+        out_TD = None
+        for i, expert in enumerate(self.shared_experts):
+            y_TD = expert(x_TD)
+            if not isinstance(y_TD, torch.Tensor) or y_TD.shape != x_TD.shape:
+                got = tuple(y_TD.shape) if isinstance(y_TD, torch.Tensor) else type(y_TD).__name__
+                raise ValueError(f"shared expert {i} on rank {self.dispatcher.rank} returned {got} "
+                                 f"for an input of shape {list(x_TD.shape)}; shared experts must "
+                                 f"map [n, D] -> [n, D]")
+            out_TD = y_TD if out_TD is None else out_TD + y_TD
         if self.shared_gate is not None:
             gate_T1 = torch.sigmoid(self.shared_gate(x_TD.to(self.shared_gate.weight.dtype)))
             out_TD = out_TD * gate_T1.to(out_TD.dtype)
@@ -689,9 +702,12 @@ def _shared_list(shared) -> list[nn.Module]:
     """``shared_experts=`` as a list of modules (None: [])."""
     if shared is None:
         return []
-    items = [shared] if isinstance(shared, nn.Module) and not isinstance(
-        shared, (nn.ModuleList, nn.ModuleDict)) else list(
-        shared.values() if isinstance(shared, nn.ModuleDict) else shared)
+    if isinstance(shared, nn.Module) and not isinstance(shared, (nn.ModuleList, nn.ModuleDict)):
+        items = [shared]
+    elif isinstance(shared, nn.ModuleDict):
+        items = list(shared.values())
+    else:
+        items = list(shared) if isinstance(shared, Iterable) else []
     if not items or not all(isinstance(m, nn.Module) for m in items):
         raise TypeError(f"shared_experts must be a module or a non-empty list of modules (each "
                         f"[n, D] -> [n, D]), got {shared!r}")

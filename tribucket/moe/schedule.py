@@ -174,8 +174,10 @@ class _Pipeline:
     """
 
     def __init__(self, experts: Sequence[nn.Module], plan: _Plan, group, world: int,
-                 check_output: bool, expert_numel: int):
+                 check_output: bool, expert_numel: int, failure: BaseException | None = None):
         self.experts = list(experts)
+        #: an error met before the pipeline (pipelined_experts' ``failure``)
+        self.prior = None if failure is None else (str(failure), failure)
         self.plan, self.group, self.world = plan, group, world
         self.check_output = check_output
         self.expert_numel = expert_numel
@@ -259,7 +261,7 @@ class _Pipeline:
         ov = _Overlap(send_ND.device)
         buf_BD = send_ND.new_empty(p.recv_rows, D)
         back_ND = send_ND.new_empty(send_ND.shape)
-        self.failure: tuple[str, BaseException | None] | None = None
+        self.failure: tuple[str, BaseException | None] | None = self.prior
         # parameter aliases: the inner graphs' leaves (gradients are returned, not accumulated,
         # so hooks on the real parameters fire once, in the outer backward)
         self.aliases = [{n: q.detach().requires_grad_(q.requires_grad) if build_graph else q
@@ -332,8 +334,9 @@ class _Pipeline:
         if bad:
             raise RuntimeError(
                 f"rank(s) {bad} of the expert-parallel group could not produce their expert "
-                f"output (see the error raised there); rank {self.plan.rank} stops too, after "
-                f"completing the pairwise exchange so that no rank is left waiting")
+                f"output (a routed or a shared expert failed: see the error raised there); "
+                f"rank {self.plan.rank} stops too, after completing the pairwise exchange so "
+                f"that no rank is left waiting")
 
     # -- shadowed experts ----------------------------------------------------------------
     def _broadcast_shadows(self, send_ND: torch.Tensor):
@@ -490,16 +493,19 @@ class _PipelinedExperts(torch.autograd.Function):
 def pipelined_experts(send_ND: torch.Tensor, meta: DispatchMeta, experts: Sequence[nn.Module], *,
                       rank: int, world_size: int, group=None, group_size: int,
                       shadowed: frozenset[int] = frozenset(), check_output: bool = True,
-                      expert_numel: int = 0) -> torch.Tensor:
+                      expert_numel: int = 0,
+                      failure: BaseException | None = None) -> torch.Tensor:
     """``back_ND``: every row of ``send_ND`` through its expert, in ``send_ND``'s row order.
 
     The pairwise S/C/R pipeline of this module (``group_size`` ranks per exchange group) with
     the experts in ``shadowed`` computed locally from their owners' broadcast parameters.
     Differentiable (input rows and the experts' parameters); a collective on ``group``.
+    ``failure``: an error this rank already met in the layer (its shared experts): the
+    pipeline runs with zero rows from this rank's experts and raises it, as an expert's own.
     """
     steps = pairwise_steps(rank, world_size, group_size)
     plan = _Plan(meta, rank, len(experts), steps, shadowed)
-    engine = _Pipeline(experts, plan, group, world_size, check_output, expert_numel)
+    engine = _Pipeline(experts, plan, group, world_size, check_output, expert_numel, failure)
     params = [q for ps in engine.params for q in ps]
     if torch.is_grad_enabled() and (send_ND.requires_grad or any(q.requires_grad for q in params)):
         return _PipelinedExperts.apply(engine, send_ND, *params)
