@@ -256,6 +256,11 @@ def test_on_a_gpu_the_device_span_is_measured_not_the_hosts(dist_run):
     (dict(first_bucket_cap_mb="auto", shard_optimizer=True), "first_bucket_cap_mb='auto'"),
     (dict(bucket_cap_mb="auto", find_unused_parameters=True), "find_unused_parameters"),
     (dict(bucket_cap_mb="fast"), "positive number of MiB or 'auto'"),
+    # infinite caps: named (before, an OverflowError converting them to bytes)
+    (dict(bucket_cap_mb=float("inf")), r"bucket_cap_mb must be a finite.*got inf"),
+    (dict(first_bucket_cap_mb=float("inf")), r"first_bucket_cap_mb must be a finite"),
+    (dict(bucket_cap_mb_list=[1, float("inf")]), r"bucket_cap_mb_list\[1\] must be a finite"),
+    (dict(comm_chunk_mb=float("inf")), r"comm_chunk_mb must be a finite"),
     (dict(bucket_cap_mb_list=[]), "bucket_cap_mb_list.*non-empty"),
     (dict(bucket_cap_mb_list=[1, -2]), r"bucket_cap_mb_list\[1\].*positive"),
     (dict(bucket_cap_mb_list=[1, True]), r"bucket_cap_mb_list\[1\].*positive"),

@@ -262,6 +262,7 @@ def _constructor_errors():
                                               param_to_hook_all_reduce=model.head.weight),
         "device_ids": dict(device_ids=[0]),
         "no_such_option": dict(no_such_option=1),
+        "process_group": dict(process_group=5),
     }
     out = {}
     for name, kwargs in cases.items():
@@ -290,6 +291,9 @@ def test_ddp_keywords_are_accepted_or_refused_by_name(dist_run):
                  "device_ids"):
         kind, msg = out[name]
         assert kind == "ValueError" and name in msg, (name, msg)
+    kind, msg = out["process_group"]  # before, an AttributeError from deep inside
+    assert kind == "TypeError" and "process_group must be a torch.distributed.ProcessGroup" in msg \
+        and "got int" in msg, msg
     kind, msg = out["no_such_option"]
     assert kind == "TypeError" and "no_such_option" in msg and "timeout" in msg
     assert len(out["frozen"]) == 2

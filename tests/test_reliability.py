@@ -295,3 +295,27 @@ def _load_mismatched_state():
 def test_load_state_dict_rejects_other_model(dist_run):
     msg = dist_run(_load_mismatched_state, world_size=2)[0]
     assert "other parameters" in msg
+
+
+def _load_other_kinds_of_state():
+    model = build("mlp")
+    out = []
+    for wrong in (model.state_dict(), None):
+        reducer = tribucket.Reducer(model)
+        try:
+            reducer.load_state_dict(wrong)
+        except TypeError as e:
+            out.append(str(e))
+        finally:
+            reducer.close()
+    return out
+
+
+def test_load_state_dict_names_a_state_of_another_kind(dist_run):
+    # the model's state_dict, or None, given to the reducer: before, "reducer state version
+    # None is not supported" and Python's "'NoneType' object is not iterable"
+    for msgs in dist_run(_load_other_kinds_of_state, world_size=2):
+        assert len(msgs) == 2, msgs
+        assert all("load_state_dict expects the dict of reducer.state_dict()" in m for m in msgs)
+        assert "got a dict with keys ['" in msgs[0] and "weight'" in msgs[0], msgs
+        assert "got NoneType" in msgs[1], msgs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +38,20 @@ def _positive_mb(name: str, value: Any, auto: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name} must be a positive number of MiB"
                          + (" or 'auto'" if auto else "") + f", got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number of MiB, got {value!r}: for one bucket, "
+                         f"pass a cap larger than the model's gradients")
     if int(value * MiB) < 1:
         raise ValueError(f"{name}={value!r} MiB is less than one byte; use a larger value")
+
+
+def check_process_group(process_group: Any) -> None:
+    """``process_group=`` is a ProcessGroup or None, named before any collective."""
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        hint = (": pass mesh.get_group() (or DistributedDataParallel's device_mesh=)"
+                if type(process_group).__name__ == "DeviceMesh" else "")
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup (or None: the "
+                        f"default group), got {type(process_group).__name__}{hint}")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from torch.distributed.utils import _to_kwargs
 
 from . import hooks as _hooks
 from .comm import broadcast_coalesced
-from .config import ReducerConfig
+from .config import ReducerConfig, check_process_group
 from .ddp import Reducer
 
 __all__ = ["DistributedDataParallel"]
@@ -127,6 +127,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}: "
                                    "pass the data-parallel dimension, mesh['dp']")
             process_group = device_mesh.get_group(mesh_dim=0)
+        check_process_group(process_group)
         if check_reduction:
             warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module "
                           "is deprecated (and ignored). Please avoid using it.", FutureWarning,

@@ -23,7 +23,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 from .. import _exit
 from .._env import describe_backend
 from ..comm import broadcast_coalesced
-from ..config import ReducerConfig
+from ..config import ReducerConfig, check_process_group
 from ..hooks import _hook_traits
 from ..layout import BucketLayout
 from ..trace import make_tracer
@@ -67,6 +67,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("tribucket needs torch.distributed: call "
                                "dist.init_process_group(...) (or launch with torchrun) first")
+        check_process_group(process_group)
         self.config = config
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
@@ -390,6 +391,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
                                "(on every rank), right after entering fused_bucketing and "
                                "registering the comm hook")
         try:
+            resume.check_is_reducer_state(state)
             expert_states = resume.expert_states(state, len(self.expert_reducers), self.rank)
             layout, progress = resume.read_state_dict(
                 state, self._names, self._params, self._comm.hook, self._comm.hook_state,

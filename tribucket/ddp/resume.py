@@ -60,6 +60,16 @@ def with_expert_states(state: dict, expert_reducers: list, rank: int) -> dict:
     return state
 
 
+def check_is_reducer_state(state: Any) -> None:
+    """Raise, naming the fix, unless ``state`` looks like a reducer's :func:`state_dict`."""
+    if not isinstance(state, dict) or "parameter_names" not in state or "layout" not in state:
+        what = (f"a dict with keys {sorted(map(str, state))[:4]}" if isinstance(state, dict)
+                else type(state).__name__)
+        raise TypeError(f"load_state_dict expects the dict of reducer.state_dict() (its buckets, "
+                        f"counters and hook state), got {what}: the model's and the "
+                        f"optimizer's states load through their own load_state_dict")
+
+
 def expert_states(state: dict, count: int, rank: int) -> list[dict]:
     """The ``count`` expert reducer states of this rank in ``state``; raise, naming the fix,
     if it holds another number, another rank's or none."""
