@@ -508,3 +508,56 @@ def test_skip_agreement_is_traced(dist_run, tmp_path):
         sent = {e["args"]["bucket"] for e in mine if e["name"].endswith(".allreduce")}
         # a and b (rank 1 used it) are averaged on both ranks; c, unused everywhere, is not
         assert sent == {where["a.weight"], where["b.weight"]}, (sent, where)
+
+
+def _trace_to(path, spoil_on_rank0=None):
+    """Enter fused_bucketing with ``trace=path`` and train a step; ``spoil_on_rank0``: a
+    path rank 0 makes a file before leaving (the trace directory, made at close). The error each rank got at entry or
+    at leaving, the warnings, the file written, and whether a plain step runs after."""
+    import warnings
+
+    import tribucket
+    from models import batch, build, loss_of
+
+    out = dict(error=None, warnings=[], written=None)
+    model = build("mlp")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            with tribucket.fused_bucketing(model, trace=path) as reducer:
+                loss_of(model(batch("mlp", dist.get_rank(), 0))).backward()
+                if spoil_on_rank0 and dist.get_rank() == 0:
+                    open(spoil_on_rank0, "w").close()
+            out["written"] = reducer.trace_path
+        except Exception as e:  # noqa: BLE001
+            out["error"] = (type(e).__name__, str(e))
+    out["warnings"] = [str(w.message) for w in seen if "trace" in str(w.message)]
+    with tribucket.fused_bucketing(build("mlp")) as reducer:  # the group is still in step
+        loss_of(reducer.module(batch("mlp", dist.get_rank(), 1))).backward()
+    return out
+
+
+@pytest.mark.dist
+def test_a_trace_path_that_cannot_be_written_is_refused_on_entry(dist_run, tmp_path):
+    # before, rank 0 raised FileExistsError at the end of the run, after training, when it
+    # wrote the file (the code after the with block never ran there); the others did not
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    target = str(blocker / "traces" / "run.json")
+    zero, one = dist_run(_trace_to, target, world_size=2)
+    assert zero["error"][0] == "ValueError", zero
+    assert f"trace={target!r}" in zero["error"][1] and "is a file" in zero["error"][1], zero
+    assert one["error"][0] == "RuntimeError" and "rank 0" in one["error"][1], one
+    assert target in one["error"][1], one
+
+
+@pytest.mark.dist
+def test_a_trace_that_cannot_be_written_at_the_end_warns(dist_run, tmp_path):
+    # the directory's path became a file during the run: rank 0 warns, naming it, and the run ends
+    # normally on every rank (the trace is lost, the training is not)
+    where = str(tmp_path / "traces")
+    zero, one = dist_run(_trace_to, where, where, world_size=2)
+    assert zero["error"] is None and one["error"] is None, (zero, one)
+    assert zero["written"] is None and len(zero["warnings"]) == 1, zero
+    assert where in zero["warnings"][0] and "could not write the trace" in zero["warnings"][0]
+    assert one["warnings"] == [], one

@@ -163,11 +163,14 @@ def verify_state_across_ranks(summary: dict, group, world_size: int, fix: str,
 
 
 def verify_across_ranks(view: ModelView, group, world_size: int, config: Any = None,
-                        extra: dict | None = None) -> None:
+                        extra: dict | None = None, problem: str | None = None) -> None:
     """Raise the same ``RuntimeError`` on every rank if any rank's model or reducer options
     (and ``extra``: other facts every rank must share) differ from rank 0's (one
-    ``all_gather_object``)."""
+    ``all_gather_object``). ``problem``: this rank's reason not to go on (its own
+    ``ValueError`` here, a ``RuntimeError`` naming it on the others), in the same gather."""
     if world_size == 1:
+        if problem is not None:
+            raise ValueError(problem)
         return
     meta = [("parameter", n, tuple(p.shape), tuple(p.stride()), str(p.dtype), p.requires_grad,
              p.device.type) for n, p in view.state_params]
@@ -176,7 +179,12 @@ def verify_across_ranks(view: ModelView, group, world_size: int, config: Any = N
     options = _options_of(config) if config is not None else {}
     options.update(extra or {})
     everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, (options, meta), group=group)
+    dist.all_gather_object(everyone, (options, meta, problem), group=group)
+    if problem is not None:
+        raise ValueError(problem)
+    for r, (_, _, theirs) in enumerate(everyone):
+        if theirs is not None:
+            raise RuntimeError(f"tribucket: rank {r} cannot go on: {theirs}")
     _raise_if_differ([e[0] for e in everyone], "the reducer options",
                      "Pass the same options to fused_bucketing on every rank (they decide "
                      "which collectives each rank issues).")

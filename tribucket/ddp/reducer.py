@@ -26,7 +26,8 @@ from ..comm import broadcast_coalesced
 from ..config import ReducerConfig, check_process_group
 from ..hooks import _hook_traits
 from ..layout import BucketLayout
-from ..trace import make_tracer
+from ..trace.chrome import write_problem
+from ..trace.tracer import make_tracer, trace_path
 from . import native, optsteps, resume
 from .backward import Backward
 from .bucket import Comm
@@ -96,7 +97,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
             # timed group is created (ranks that disagree on timeout= would not all create it)
             self._native_ext = self._load_native()
             verify_across_ranks(view, self.process_group, self.world_size, config,
-                                self._native_facts())
+                                self._native_facts(), self._trace_problem(config.trace))
             # the reducer's own collectives: a group with the timeout, failure diagnosis, debug
             self._guard = CommGuard(self.process_group, self.rank, self.world_size,
                                     self._device, config.timeout, config.debug)
@@ -363,6 +364,15 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
             out["bucket_cap_bytes"] = bw.policy.caps[0]
             out.update(bw.tuner.logging_data())
         return out
+
+    def _trace_problem(self, trace: Any) -> str | None:
+        """Why rank 0, which writes the trace at close, could not write it (None: it can, or
+        this is another rank, or tracing is off): found before training, not at its end."""
+        path = trace_path(trace)  # on every rank: a trace= of a wrong type raises on each
+        why = write_problem(path) if path is not None and self.rank == 0 else None
+        return None if why is None else (
+            f"trace={path!r}: {why}; pass a path rank 0 can write (a .json file or a "
+            f"directory, created if missing) or trace=False")
 
     def state_dict(self) -> dict:
         """What a resumed run needs: the (rebuilt) layout, the iteration count, hook state;

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from typing import Any
 
 import torch.distributed as dist
@@ -80,6 +81,22 @@ def to_chrome(payloads: list[dict], meta: dict | None = None) -> dict:
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"tribucket": info}}
 
 
+def write_problem(path: str | os.PathLike) -> str | None:
+    """Why the trace file for ``path`` could not be written here (None: it can), found
+    without creating anything: the nearest existing directory on the way must be one, and
+    writable."""
+    target = os.path.abspath(os.fspath(path))
+    where = (os.path.dirname(target) if target.endswith(".json") and not os.path.isdir(target)
+             else target)
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    if not os.path.isdir(where):
+        return f"{where} is a file, not a directory"
+    if not os.access(where, os.W_OK | os.X_OK):
+        return f"the directory {where} is not writable"
+    return None
+
+
 def _file_for(path: str) -> str:
     """``path`` itself if it names a ``.json`` file, else a new file in that directory."""
     if path.endswith(".json") and not os.path.isdir(path):
@@ -107,11 +124,16 @@ def write_run(payload: dict, path: str | None, group=None) -> str | None:
     if path is None:
         return None
     trace = to_chrome(payloads, {"world_size": len(payloads)})
-    target = _file_for(path)
-    tmp = f"{target}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(trace, f, separators=(",", ":"))
-    os.replace(tmp, target)
+    try:
+        target = _file_for(path)
+        tmp = f"{target}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(trace, f, separators=(",", ":"))
+        os.replace(tmp, target)
+    except OSError as e:  # the trace is lost, not the run (the entry checked the path)
+        warnings.warn(f"tribucket: could not write the trace to {os.fspath(path)}: {e}",
+                      RuntimeWarning, stacklevel=2)
+        return None
     return target
 
 

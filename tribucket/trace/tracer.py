@@ -428,14 +428,23 @@ def make_tracer(trace: Any = None, *, group=None) -> Tracer | None:
     """
     if isinstance(trace, Tracer):
         return trace
+    path = trace_path(trace)
+    return Tracer(path, group=group) if path is not None else None
+
+
+def trace_path(trace: Any) -> str | os.PathLike | None:
+    """Where :func:`make_tracer` would write for ``trace`` (None: tracing off, or a
+    :class:`Tracer` without a path)."""
+    if isinstance(trace, Tracer):
+        return trace.path
     if trace is False:
         return None
     env = os.environ.get(ENV, "")
     if trace is None:
-        return Tracer(env, group=group) if env else None
+        return env or None
     if trace is True:
-        return Tracer(env or os.getcwd(), group=group)
+        return env or os.getcwd()
     if isinstance(trace, (str, os.PathLike)):
-        return Tracer(trace, group=group)
+        return trace
     raise TypeError(f"trace={trace!r}: pass a path (a .json file or a directory), True, "
                     f"False, None (then {ENV}=DIR decides) or a tribucket.trace.Tracer")
