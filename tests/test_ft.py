@@ -641,3 +641,24 @@ def _two_ranks_refused():
 
 def test_replica_group_of_two_ranks_refused(dist_run):
     assert dist_run(_two_ranks_refused, world_size=2) == [True, True]
+
+
+def _settled_at_exit():
+    """A reducer on a manager left attached, settled as the exit handler settles it."""
+    model = _mlp()
+    red = tribucket.fused_bucketing(model, manager=FakeManager())
+    model(torch.randn(4, 8)).square().mean().backward()
+    error = None
+    try:
+        red._settle_at_exit()  # what tribucket._exit.settle() calls (and whose errors it hides)
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    hooks = len(model._forward_pre_hooks) + len(model._forward_hooks)
+    return error, red._bw.closed, hooks
+
+
+def test_the_exit_handler_detaches_a_reducer_on_a_manager(dist_run):
+    # before, ManagedReducer._close did not take at_exit=: the handler's call raised a
+    # TypeError it swallows, and the reducer stayed attached through the interpreter's exit
+    error, closed, hooks = dist_run(_settled_at_exit, world_size=1)[0]
+    assert error is None and closed and hooks == 0, (error, closed, hooks)
