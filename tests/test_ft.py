@@ -600,6 +600,8 @@ def _refusals():
     refused("shard", lambda: tribucket.fused_bucketing(_mlp(), manager=m, shard_optimizer=True))
     refused("chunk", lambda: tribucket.fused_bucketing(_mlp(), manager=m, comm_chunk_mb=1))
     refused("auto", lambda: tribucket.fused_bucketing(_mlp(), manager=m, bucket_cap_mb="auto"))
+    refused("auto config", lambda: tribucket.fused_bucketing(  # the same, given as config=
+        _mlp(), manager=m, config=tribucket.ReducerConfig(bucket_cap_mb="auto")))
     refused("skip", lambda: tribucket.fused_bucketing(
         _mlp(), manager=m, find_unused_parameters=True, skip_all_reduce_unused_params=True))
     refused("not a manager", lambda: tribucket.fused_bucketing(_mlp(), manager=object()),
@@ -623,7 +625,7 @@ def test_refused_at_entry_with_the_reason(dist_run):
     msgs = dist_run(_refusals, world_size=1)[0]
     assert "shard_optimizer" in msgs["shard"]
     assert "comm_chunk_mb" in msgs["chunk"]
-    assert "bucket_cap_mb='auto'" in msgs["auto"]
+    assert "bucket_cap_mb='auto'" in msgs["auto"] and "bucket_cap_mb='auto'" in msgs["auto config"]
     assert "skip_all_reduce_unused_params" in msgs["skip"]
     assert "torchft.Manager" in msgs["not a manager"]
     assert "sparse" in msgs["sparse"]

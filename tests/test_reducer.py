@@ -118,6 +118,30 @@ def test_parity_with_ddp(dist_run, world_size):
                for k in range(len(CASES)))
 
 
+
+def _config_object():
+    """``fused_bucketing(model, config=ReducerConfig(...))`` as documented; the same options
+    given both ways are refused, naming them."""
+    config = tribucket.ReducerConfig(bucket_cap_mb=0.001, static_graph=True)
+    model = build("mlp")
+    with tribucket.fused_bucketing(model, config=config) as reducer:
+        loss_of(model(batch("mlp", dist.get_rank(), 0))).backward()
+        got = (reducer.config is config, reducer.bucket_bytes_cap, reducer.static_graph)
+    try:
+        tribucket.fused_bucketing(build("mlp"), bucket_cap_mb=5, config=config)
+        both = None
+    except TypeError as e:
+        both = str(e)
+    return got, both
+
+
+def test_fused_bucketing_takes_a_config_object(dist_run):
+    # before, fused_bucketing passed its own keyword defaults beside config= and the
+    # reducer refused the pair: "pass either config= or keyword options, not both"
+    for got, both in dist_run(_config_object, world_size=2):
+        assert got == (True, int(0.001 * 2**20), True), got
+        assert both is not None and "not both: ['bucket_cap_mb']" in both, both
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_gradient_as_bucket_view(dist_run, set_to_none):
     cases = [(n, dict(d, gradient_as_bucket_view=True), dict(t, gradient_as_bucket_view=True))

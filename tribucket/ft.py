@@ -34,6 +34,7 @@ torchft is imported here only, and only when a managed reducer is built.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any, Callable
 
@@ -205,7 +206,9 @@ class ManagedReducer(Reducer):
                  process_group: dist.ProcessGroup | None = None, **options: Any):
         _require_torchft()
         _check_manager(manager)
-        _refuse(module, process_group, options)
+        config = options.get("config")
+        _refuse(module, process_group, options if config is None else
+                {f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
         super().__init__(module, process_group, **options)
         try:
             self.manager = manager

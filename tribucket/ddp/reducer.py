@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 from dataclasses import replace
 from typing import Any, Callable, Iterator
@@ -572,17 +573,14 @@ def fused_bucketing(model: nn.Module, process_group: dist.ProcessGroup | None = 
     ``manager``: a ``torchft.Manager``; each bucket is averaged across replica groups through
     its fault-tolerant allreduce (see ``tribucket/ft.py`` and docs/reliability.md).
     """
+    named = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
+                 gradient_as_bucket_view=gradient_as_bucket_view,
+                 find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+                 broadcast_buffers=broadcast_buffers, ignore_parameters=ignore_parameters)
+    if options.get("config") is not None:  # it holds every option: pass on only those given
+        defaults = inspect.signature(fused_bucketing).parameters
+        named = {k: v for k, v in named.items() if v != defaults[k].default}
     if manager is not None:
         from ..ft import ManagedReducer
-        return ManagedReducer(model, manager, process_group, bucket_cap_mb=bucket_cap_mb,
-                              first_bucket_cap_mb=first_bucket_cap_mb,
-                              gradient_as_bucket_view=gradient_as_bucket_view,
-                              find_unused_parameters=find_unused_parameters,
-                              static_graph=static_graph, broadcast_buffers=broadcast_buffers,
-                              ignore_parameters=ignore_parameters, **options)
-    return Reducer(model, process_group, bucket_cap_mb=bucket_cap_mb,
-                   first_bucket_cap_mb=first_bucket_cap_mb,
-                   gradient_as_bucket_view=gradient_as_bucket_view,
-                   find_unused_parameters=find_unused_parameters, static_graph=static_graph,
-                   broadcast_buffers=broadcast_buffers, ignore_parameters=ignore_parameters,
-                   **options)
+        return ManagedReducer(model, manager, process_group, **named, **options)
+    return Reducer(model, process_group, **named, **options)
