@@ -18,19 +18,22 @@ import tribucket
 from tribucket import hooks
 from _dist import stall_until_the_others_return
 from models import batch, build, loss_of
-from test_reducer import assert_states_equal
+from test_reducer import _parity, assert_states_equal
 
 
 # ---------------------------------------------------------------- Join: uneven inputs
-def _join_vs_ddp(name, kwargs, divide_by_initial, hook=None, chunk_mb=None, method=False):
-    """``method``: enter ``reducer.join(...)`` (DDP's spelling) instead of ``Join([reducer])``."""
+def _join_vs_ddp(name, kwargs, divide_by_initial, hook=None, chunk_mb=None, method=False,
+                 debug=False):
+    """``method``: enter ``reducer.join(...)`` (DDP's spelling) instead of ``Join([reducer])``;
+    ``debug``: the reducer's debug=True."""
     rank = dist.get_rank()
     n_batches = 2 + rank  # every rank has a different number of batches
     mine, theirs = build(name), build(name)
     ddp = DDP(theirs, **kwargs)
     opt_a = torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9)
     opt_b = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)
-    with tribucket.fused_bucketing(mine, comm_chunk_mb=chunk_mb, **kwargs) as reducer:
+    with tribucket.fused_bucketing(mine, comm_chunk_mb=chunk_mb, **kwargs,
+                                   **(dict(debug=True) if debug else {})) as reducer:
         if hook is not None:
             reducer.register_comm_hook(None, getattr(hooks, hook))
             ddp.register_comm_hook(None, getattr(hooks, hook))
@@ -173,8 +176,15 @@ def test_peer_failure_raises_instead_of_hanging(dist_run, mode):
 
 # ---------------------------------------------------------------- divergence detection
 def _diverged(kind):
+    """The error, and what close() logged after it (nothing: the group is given up)."""
+    import logging
+
     rank = dist.get_rank()
     model = build("mlp")
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("tribucket").addHandler(handler)
     try:
         with tribucket.fused_bucketing(model, debug=True,
                                        timeout=datetime.timedelta(seconds=20)) as reducer:
@@ -188,13 +198,19 @@ def _diverged(kind):
                     continue
                 loss_of(model(x)).backward()
     except RuntimeError as e:
-        return str(e)
-    return None
+        return str(e), [m for m in logged if "close()" in m]
+    finally:
+        logging.getLogger("tribucket").removeHandler(handler)
+    return None, logged
 
 
 @pytest.mark.parametrize("kind", ["no_sync", "hooks"])
 def test_debug_names_first_differing_bucket(dist_run, kind):
-    messages = dist_run(_diverged, kind, world_size=2, timeout=60)
+    results = dist_run(_diverged, kind, world_size=2, timeout=60)
+    messages = [msg for msg, _ in results]
+    # before, close() then waited on the works of the pass the divergence broke, and logged
+    # "'NoneType' object has no attribute 'wait'"
+    assert [logged for _, logged in results] == [[], []], results
     if kind == "hooks":  # caught before any bucket: the first backward compares the hooks
         for msg in messages:
             assert msg is not None and "fp16_compress_hook" in msg and "rank 1" in msg, msg
@@ -202,6 +218,30 @@ def test_debug_names_first_differing_bucket(dist_run, kind):
     for msg in messages:
         assert msg is not None and "diverged" in msg and "bucket 0" in msg, msg
         assert "rank 0:" in msg and "rank 1:" in msg
+
+
+def _debug_where_the_ranks_agree():
+    """debug=True on runs whose collectives pair up: sparse gradients (each rank's own rows)
+    and Join (a rank out of inputs shadows the others' collectives without forwards)."""
+    out = []
+    for name in ("sparse", "mlp"):
+        try:
+            if name == "sparse":
+                _parity("sparse", tb_kwargs=dict(debug=True))
+            else:
+                _join_vs_ddp("mlp", dict(bucket_cap_mb=0.001), True, debug=True)
+            out.append(None)
+        except Exception as e:  # noqa: BLE001
+            out.append(str(e)[:300])
+    return out
+
+
+def test_debug_raises_nothing_where_the_ranks_agree(dist_run):
+    # before, debug mode compared a sparse bucket's row count (each rank's own) and the
+    # forward count of a rank shadowing the others under Join: it reported both runs as
+    # diverged, though their collectives paired up and the gradients equal DDP's
+    for out in dist_run(_debug_where_the_ranks_agree, world_size=2, timeout=120):
+        assert out == [None, None], out
 
 
 def _debug_logs_bucket_timings():

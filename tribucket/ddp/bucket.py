@@ -283,7 +283,8 @@ class SparseBucket(_BucketBase):
 
     def communicate(self, p: Pass, comm: Comm, g: torch.Tensor) -> None:
         self.state, self.t_launch = BucketState.LAUNCHED, time.perf_counter()
-        comm.guard.fingerprint("bucket", p.iteration, self.index, g.values().numel(), g.dtype)
+        # (the dense size: each rank's rows are its own, and gloo's sparse allreduce pairs them)
+        comm.guard.fingerprint("bucket", p.iteration, self.index, g.numel(), g.dtype)
         if comm.hook is None or comm.traits.builtin:
             g = g * p.scale if p.scale != 1.0 else g * (1.0 / comm.world_size)
             self.handle = _SparseAllreduce(dist.all_reduce(g, group=comm.guard.group,
