@@ -213,6 +213,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             if mine & {id(p) for p in reducer.averaged_parameters}:
                 other._superseded = True
                 other.close()
+
     def __getstate__(self) -> dict:
         # as DDP's: the reducer and the process group stay behind; unpickling attaches a new
         # reducer with the same options on the default group (the model's own forward hooks
