@@ -447,6 +447,8 @@ def _errors_worker():
                                                  group_size=1 + rank))
     out["shadow_shapes"] = _error_of(lambda: MoELayer([nn.Linear(D, D, bias=rank == 0)], W, D,
                                                       shadow_policy={0}))
+    out["schedule"] = _error_of(lambda: MoELayer([nn.Linear(D, D)], W, D,
+                                                 schedule="pairwise" if rank else "alltoall"))
     for schedule, policy in (("pairwise", None), ("pairwise", {0}), ("alltoall", {W - 1})):
         layer = MoELayer([_Exploding(bad=rank == W - 1)], W, D, top_k=1, schedule=schedule,
                          group_size=1, shadow_policy=policy)
@@ -467,6 +469,11 @@ def test_disagreeing_ranks_and_failing_experts_raise_everywhere(dist_run):
         assert "(group_size: 1 on rank 0, 2 on rank 1)" in out["disagree"][1], out["disagree"]
         assert out["shadow_shapes"][0] == "ValueError", out["shadow_shapes"]
         assert "expert parameters (names, shapes, dtypes)" in out["shadow_shapes"][1]
+        # a field sent as a checksum: each rank names its own value (before, none)
+        own = "'pairwise'" if rank else "'alltoall'"
+        assert out["schedule"][0] == "ValueError", out["schedule"]
+        assert f"schedule on rank(s) [1] differ from rank 0's (here: {own})" in \
+            out["schedule"][1], out["schedule"]
         assert out["healthy"]
         for key in (("pairwise", False), ("pairwise", True), ("alltoall", True)):
             if rank == 1:  # the failing rank raises its own error

@@ -47,33 +47,33 @@ def check_ranks_agree(layer: MoELayer, signature, group: dist.ProcessGroup | Non
     A rank with another schedule, group size, shadow policy, top_k, capacity or d_model would
     issue different collectives in forward (or abort the router broadcast, which comes after
     this check) and hang the group; this catches it when the layer is built, naming the
-    field and the ranks. Integer fields travel as themselves, the others as CRCs.
+    field and the ranks. Integer fields travel as themselves (every rank's value is named),
+    the others as CRCs (each rank names its own value).
     """
     _, world = group_rank_and_size(group)
     if world == 1:
         return
     policy = layer.shadow_policy
     policy_key = repr(policy) if policy is None or is_dataclass(policy) else type(policy).__qualname__
-    fields = [("d_model", layer.d_model), ("num_experts", layer.num_experts),
-              ("top_k", layer.top_k), ("group_size", layer.group_size),
-              ("local experts", layer.num_local_experts),
-              ("normalize_weights", int(layer.normalize_weights)),
-              ("schedule", crc(layer.schedule)), ("shadow_policy", crc(policy_key)),
-              ("capacity_factor", crc(layer.dispatcher.capacity_factor)),
-              ("timeout", crc(layer.timeout)),
-              ("score_func", crc(layer.score_func)),
-              ("bias_update_rate", crc(layer.bias_update_rate)),
-              ("num_expert_groups, num_limited_groups, route_scale",
-               crc((layer.num_expert_groups, layer.num_limited_groups, layer.route_scale))),
-              ("dedup", crc(layer.dispatcher.dedup)),
-              ("experts kind", crc(type(layer.experts).__name__)),
-              ("shared experts (names, shapes, dtypes) and gate",
-               crc((expert_signature(layer.shared_experts) if layer.shared_experts is not None
-                     else None, layer.shared_gate is not None))),
-              ("router parameters (names, shapes, dtypes)", crc(expert_signature(layer.router))),
-              ("expert parameters (names, shapes, dtypes), needed to shadow",
-               crc(signature) if policy is not None else 0)]
-    numeric = 6  # the first six fields are integers worth printing
+    numeric = [("d_model", layer.d_model), ("num_experts", layer.num_experts),
+               ("top_k", layer.top_k), ("group_size", layer.group_size),
+               ("local experts", layer.num_local_experts),
+               ("normalize_weights", int(layer.normalize_weights))]
+    # the others travel as CRCs; each rank names its own value of those in `shown`
+    shown = [("schedule", layer.schedule), ("shadow_policy", policy_key),
+             ("capacity_factor", layer.dispatcher.capacity_factor), ("timeout", layer.timeout),
+             ("score_func", layer.score_func), ("bias_update_rate", layer.bias_update_rate),
+             ("num_expert_groups, num_limited_groups, route_scale",
+              (layer.num_expert_groups, layer.num_limited_groups, layer.route_scale)),
+             ("dedup", layer.dispatcher.dedup), ("experts kind", type(layer.experts).__name__)]
+    signatures = [("shared experts (names, shapes, dtypes) and gate",
+                   (expert_signature(layer.shared_experts) if layer.shared_experts is not None
+                    else None, layer.shared_gate is not None)),
+                  ("router parameters (names, shapes, dtypes)", expert_signature(layer.router)),
+                  ("expert parameters (names, shapes, dtypes), needed to shadow",
+                   signature if policy is not None else None)]
+    fields = numeric + [(name, crc(value)) for name, value in shown + signatures]
+    own = dict(shown)
     device = next(itertools.chain(layer.router.parameters(), layer.experts.parameters())).device
     mine = torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
@@ -84,11 +84,12 @@ def check_ranks_agree(layer: MoELayer, signature, group: dist.ProcessGroup | Non
         values = [r[column] for r in rows]
         if len(set(values)) == 1:
             continue
-        if column < numeric:
+        if column < len(numeric):
             problems.append(f"{name}: " + ", ".join(f"{v} on rank {r}" for r, v in enumerate(values)))
         else:
+            here = f" (here: {own[name]!r})" if name in own else ""
             problems.append(f"{name} on rank(s) {[r for r, v in enumerate(values) if v != values[0]]}"
-                            " differ from rank 0's")
+                            f" differ from rank 0's{here}")
     if problems:
         raise ValueError(f"the ranks of the expert-parallel group built MoELayer with different "
                          f"arguments ({'; '.join(problems)}); pass the same arguments on every "
