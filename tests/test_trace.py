@@ -408,9 +408,46 @@ def test_reducer_trace_matches_its_layout_and_changes_nothing(dist_run, tmp_path
 
 @pytest.mark.dist
 def test_moe_phases_are_traced(dist_run, tmp_path):
+    # the experts and the three phases of the layer's backward: documented, and before
+    # not recorded (the dispatch span ran on through the experts' compute)
     path = dist_run(_traced_training, str(tmp_path), True, world_size=2)[0][1]
-    names = {e["name"] for e in trace.load(path)["traceEvents"] if e.get("ph") == "X"}
-    assert {"moe.counts", "moe.dispatch", "moe.combine", "backward"} <= names, names
+    events = [e for e in trace.load(path)["traceEvents"] if e.get("ph") == "X"]
+    names = {e["name"] for e in events}
+    assert {"moe.counts", "moe.dispatch", "moe.experts", "moe.combine", "moe.combine.bwd",
+            "moe.experts.bwd", "moe.dispatch.bwd", "backward"} <= names, names
+    for pid in (0, 1):  # each step's phases in order, forward then backward
+        mine = [e for e in events if e["pid"] == pid and e["args"].get("step") == 2]
+        at = {e["name"]: e["ts"] for e in mine}
+        order = ["moe.counts", "moe.dispatch", "moe.experts", "moe.combine", "moe.combine.bwd",
+                 "moe.experts.bwd", "moe.dispatch.bwd"]
+        assert [at[n] for n in order] == sorted(at[n] for n in order), (pid, at)
+
+
+def _traced_epilogue(path):
+    """One traced step of the MLP with each user of the epilogue's figures."""
+    import tribucket
+    from models import batch, build, loss_of
+
+    model = build("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = tribucket.amp.GradScaler("cpu", init_scale=1.0)
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, trace=path) as reducer:
+        scaler.scale(loss_of(model(batch("mlp", dist.get_rank(), 0)))).backward()
+        reducer.grad_norm()
+        reducer.found_inf
+        tribucket.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.unscale_(opt)
+    return reducer.trace_path
+
+
+@pytest.mark.dist
+def test_the_epilogue_is_traced(dist_run, tmp_path):
+    # documented as a span after backward; before, not recorded
+    path = dist_run(_traced_epilogue, str(tmp_path), world_size=2)[0]
+    events = trace.load(path)["traceEvents"]
+    for pid in (0, 1):
+        ops = [e["args"]["op"] for e in events if e.get("pid") == pid and e["name"] == "epilogue"]
+        assert ops == ["grad_norm", "found_inf", "clip_grad_norm_", "unscale_"], (pid, ops)
 
 
 class _TickEvent:

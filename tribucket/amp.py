@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ._epilogue import cover
+from .trace.tracer import span_if_tracing
 
 __all__ = ["GradScaler"]
 
@@ -81,11 +82,12 @@ class GradScaler(torch.amp.GradScaler):
         figures = cover(params) if params is not None else None
         if figures is None:
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        flag = figures.found_inf()
-        device = params[0].grad.device
-        with torch.no_grad():
-            figures.scale_(inv_scale.to(device))
-        return {device: flag.to(device=device, dtype=torch.float32).reshape(found_inf.shape)}
+        with span_if_tracing("epilogue", args={"op": "unscale_"}):
+            flag = figures.found_inf()
+            device = params[0].grad.device
+            with torch.no_grad():
+                figures.scale_(inv_scale.to(device))
+            return {device: flag.to(device=device, dtype=torch.float32).reshape(found_inf.shape)}
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # step() without unscale_ for optimizers that unscale themselves (fused Adam...):
@@ -94,7 +96,8 @@ class GradScaler(torch.amp.GradScaler):
         figures = cover(params) if params is not None else None
         if figures is None:
             return super()._check_inf_per_device(optimizer)
-        flag = figures.found_inf()
+        with span_if_tracing("epilogue", args={"op": "found_inf"}):
+            flag = figures.found_inf()
         device = params[0].grad.device
         found = {device: flag.to(device=device, dtype=torch.float32).reshape(())}
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found

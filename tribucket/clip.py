@@ -31,6 +31,7 @@ from torch import nn
 
 from ._epilogue import cover
 from ._tags import expert_group, is_expert_parallel
+from .trace.tracer import span_if_tracing
 
 __all__ = ["clip_grad_norm_"]
 
@@ -64,6 +65,13 @@ def clip_grad_norm_(parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor
                          "Euclidean norm)")
     if not params:
         return torch.tensor(0.0)
+    with span_if_tracing("epilogue", args={"op": "clip_grad_norm_"}):
+        return _clip(params, max_norm, p_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _clip(params: list[torch.Tensor], max_norm: float, p_norm: float, norm_type,
+          error_if_nonfinite: bool, foreach) -> torch.Tensor:
+    """:func:`clip_grad_norm_` on ``params`` (those with a gradient), ``p_norm`` checked."""
     dense, experts = [], []
     for q in params:
         (experts if is_expert_parallel(q) else dense).append(q)

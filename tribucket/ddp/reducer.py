@@ -28,7 +28,7 @@ from ..config import ReducerConfig, check_process_group
 from ..hooks import _hook_traits
 from ..layout import BucketLayout
 from ..trace.chrome import write_problem
-from ..trace.tracer import make_tracer, trace_path
+from ..trace.tracer import make_tracer, span_if_tracing, trace_path
 from . import native, optsteps, resume
 from .backward import Backward
 from .bucket import Comm
@@ -233,7 +233,8 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         ``grad_norm``); gradients changed since are read as they are now.
         """
         if self._bw.epilogue is not None:
-            self._bw.epilogue.found_inf(self._found_inf)
+            with span_if_tracing("epilogue", args={"op": "found_inf"}):
+                self._bw.epilogue.found_inf(self._found_inf)
         return self._found_inf
 
     def grad_norm(self) -> torch.Tensor:
@@ -246,7 +247,8 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         """
         if self._bw.epilogue is None:
             return torch.zeros((), device=self._device)
-        return self._bw.epilogue.grad_norm()
+        with span_if_tracing("epilogue", args={"op": "grad_norm"}):
+            return self._bw.epilogue.grad_norm()
 
     @property
     def layout(self) -> BucketLayout:

@@ -79,14 +79,7 @@ class MoEGuard:
         """This rank enters ``phase`` (of forward ``self.forwards``); with a tracer open
         (``tribucket.trace``), the previous phase's span ends and ``moe.<phase>`` begins."""
         self.phase = phase
-        tr = _trace_current()
-        if tr is not None or self._trace_rec is not None:
-            self.end_phase()
-            if tr is not None and phase == "backward":  # (its end is not marked: an instant)
-                tr.instant("moe.backward", MOE, {"layer": self.name})
-            elif tr is not None:
-                self._trace = tr
-                self._trace_rec = tr.begin(f"moe.{phase}", MOE, {"layer": self.name})
+        self.trace_phase(phase)
         _CURRENT[id(self.group)] = self
         if self._store is not None:
             try:
@@ -94,6 +87,20 @@ class MoEGuard:
                                 f"{self.forwards}:{PHASES.index(phase)}")
             except Exception:  # the store is gone (rank 0 died): the diagnosis says so
                 pass
+
+    def trace_phase(self, phase: str) -> None:
+        """With a tracer open: end the current phase's span and begin ``moe.<phase>``
+        ("backward": an instant, its end is not marked). Called alone, a traced sub-phase
+        (the experts' compute) that the failure diagnosis does not track."""
+        tr = _trace_current()
+        if tr is None and self._trace_rec is None:
+            return
+        self.end_phase()
+        if tr is not None and phase == "backward":
+            tr.instant("moe.backward", MOE, {"layer": self.name})
+        elif tr is not None:
+            self._trace = tr
+            self._trace_rec = tr.begin(f"moe.{phase}", MOE, {"layer": self.name})
 
     def end_phase(self) -> None:
         """End the traced span of the current phase (the end of forward, or the next)."""

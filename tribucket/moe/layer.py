@@ -25,6 +25,7 @@ from .. import _exit
 from .._tags import mark_expert_parallel, note_aux_output
 from ..comm import group_rank_and_size
 from ..kernels.moe import moe_counts, permute_tokens, unpermute_tokens
+from ..trace import current as _trace_current
 from ._checks import (broadcast_from_first_rank, check_ranks_agree, check_replica_group,
                       check_replicas_agree, crc, expert_signature)
 from ._guard import MoEGuard, _is_comm_failure
@@ -506,6 +507,7 @@ class MoELayer(nn.Module):
                 else:
                     inputs = (disp.exchange(send_ND, meta) if grouped
                               else disp.exchange_to_experts(send_ND, meta))
+                self._guard.trace_phase("experts")
                 if by_source:
                     outputs = [self.experts(rows, counts)
                                for rows, counts in zip(inputs, meta.recv_counts_host)]
@@ -525,6 +527,9 @@ class MoELayer(nn.Module):
                 shared_TD = torch.cat([shared1_TD, shared2_TD])
             else:
                 y_TD = disp.combine(outputs, meta, by_source=by_source)
+            tr = _trace_current()
+            if tr is not None:  # the backward's phases: combine, experts, dispatch
+                _trace_backward(tr, self._guard.name, y_TD, outputs, inputs, x_TD)
         else:  # the pipeline (a single step, every peer at once, for "alltoall" + shadows)
             group_size = self.group_size if self.schedule == "pairwise" else disp.world_size
             failure = None
@@ -696,6 +701,25 @@ def _drop_other_ranks_experts(module: MoELayer, state_dict, prefix, *_unused) ->
         index = key[len(head):].split(".", 1)[0]
         if index.isdigit() and index not in mine and int(index) < module.num_experts:
             del state_dict[key]
+
+
+def _trace_backward(tr, name: str, y_TD: torch.Tensor, outputs, inputs,
+                    x_TD: torch.Tensor) -> None:
+    """``moe.combine.bwd``, ``moe.experts.bwd`` and ``moe.dispatch.bwd``: from the gradient
+    of each region's output to that of its input. Of per-expert (or per-source) lists, the
+    first tensor: autograd reaches it last, its gradient closes the experts' backward."""
+    def one(ts):
+        if isinstance(ts, torch.Tensor):
+            return ts
+        return next((t for t in ts if t.requires_grad), None)
+
+    out, inp = one(outputs), one(inputs)
+    if out is None or inp is None:
+        return
+    args = {"layer": name}
+    tr.backward_range("moe.combine.bwd", y_TD, out, args=args)
+    tr.backward_range("moe.experts.bwd", out, inp, args=args)
+    tr.backward_range("moe.dispatch.bwd", inp, x_TD, args=args)
 
 
 def _shared_list(shared) -> list[nn.Module]:

@@ -28,8 +28,9 @@ name                       lane       what, and its args
 =========================  =========  =================================================
 ``backward``               compute    span: the pass's first gradient hook -> end of
                                       backward (the autograd engine's callback). ``{}``
-``bucket{i}.first_ready``  compute    instant: the bucket's first gradient is counted.
-                                      ``{bucket}`` (optional: see the wiring notes)
+``bucket{i}.first_ready``  compute    instant (optional, not recorded by the reducer,
+                                      whose native hooks count gradients without a call
+                                      into Python): the bucket's first gradient. ``{bucket}``
 ``bucket{i}.last_ready``   compute    instant: its last gradient is counted (the bucket
                                       becomes READY). ``{bucket}``
 ``bucket{i}.pack``         compute    span: the fused pack. ``{bucket, bytes}``
@@ -44,21 +45,26 @@ name                       lane       what, and its args
                                       ``{bucket}``
 ``status``                 compute    span (optional): waiting for the end-of-backward
                                       status when it is sent on its own. ``{}``
-``epilogue``               compute    span: the norm / found_inf pass. ``{}``
+``epilogue``               compute    span: one use of the gradients' figures after
+                                      backward. ``{op}``: ``grad_norm``, ``found_inf``,
+                                      ``clip_grad_norm_`` or ``unscale_`` (GradScaler)
 ``optimizer.step``         compute    span: ``ShardedOptimizer.step``. ``{}``
 ``layout``                 compute    instant: a (re)built layout. ``{buckets: [bytes...]}``
 =========================  =========  =================================================
 
 MoE layer, per forward (``args = {layer}``, the layer's name):
 
-``moe.counts`` (routing and the counts exchange), ``moe.dispatch`` (the token exchange and
-the experts, with the shared experts beside it), ``moe.combine`` (the return exchange and
-the weighted sum), spans on lane ``moe``; ``moe.backward``: an instant where the layer's
-backward begins. (Finer names, ``moe.experts`` or the backward's phases recorded with
-:meth:`Tracer.backward_range`, are allowed.)
+``moe.counts`` (routing and the counts exchange), ``moe.dispatch`` (the token exchange,
+with the shared experts beside it), ``moe.experts`` (the experts; ``schedule="alltoall"``
+without shadows: the pipelined schedules interleave them with the exchange, inside
+``moe.dispatch``), ``moe.combine`` (the return exchange and the weighted sum), spans on lane
+``moe``; ``moe.backward``: an instant where the layer's backward begins; then, recorded with
+:meth:`Tracer.backward_range` (the all-to-all schedule), ``moe.combine.bwd``,
+``moe.experts.bwd`` and ``moe.dispatch.bwd``, each from the gradient of its forward
+region's output to that of its input.
 
 Order guaranteed per bucket and step (what the tests check and the table relies on):
-``first_ready <= last_ready <= pack <= allreduce start <= allreduce end <= wait end``.
+``last_ready <= pack <= allreduce start <= allreduce end <= wait end``.
 
 Other names are allowed (the table ignores them; the PNG draws them grey).
 """

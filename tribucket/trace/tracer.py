@@ -9,6 +9,7 @@ two clock reads, one list and one append, plus the profiler range (about 1 us wi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -75,6 +76,13 @@ def current() -> "Tracer | None":
     For code that has no reducer to ask (the MoE layer): ``tr = trace.current()`` once per
     forward, then ``if tr is not None: ...``."""
     return _CURRENT
+
+
+def span_if_tracing(name: str, lane: str = COMPUTE, args: dict | None = None):
+    """``with span_if_tracing("epilogue", args=...):`` a span of the open tracer, if any
+    (:func:`current`); nothing when tracing is off."""
+    tr = _CURRENT
+    return tr.span(name, lane, args) if tr is not None else contextlib.nullcontext()
 
 
 def _future_of(handle: Any):
