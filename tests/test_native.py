@@ -82,7 +82,7 @@ def test_python_error_in_a_hook_callback_keeps_its_type(path):
     hooks.layout([0], 1)
     if path == "complete":  # counted natively: the bucket's completion calls Python
         ready = bytearray(1)
-        hooks.begin(torch.frombuffer(ready, dtype=torch.uint8), [1], [1])
+        hooks.begin(torch.frombuffer(ready, dtype=torch.uint8), [1], [1], False)
     with pytest.raises(ValueError, match=f"{path} 0 failed on purpose"):
         (w * 2).sum().backward()
     assert hooks.end() == ([0] if path == "complete" else [0])

@@ -346,7 +346,7 @@ def test_validate_names_the_bad_event():
 
 
 # ---------------------------------------------------------------- the reducer and MoE, traced
-def _traced_training(path, moe):
+def _traced_training(path, moe, **options):
     """Three steps of the test MLP (or an MoE model) with the reducer traced to ``path``
     (None: tracing off); the gradients of each step and what was traced."""
     import tribucket
@@ -361,7 +361,8 @@ def _traced_training(path, moe):
     else:
         model = build("mlp")
     grads = []
-    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, trace=path) as reducer:
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, trace=path,
+                                   **options) as reducer:
         made = reducer._comm.tracer is not None
         for step in range(3):
             x = (torch.randn(8, 16, generator=torch.Generator().manual_seed(rank + 10 * step))
@@ -404,6 +405,28 @@ def test_reducer_trace_matches_its_layout_and_changes_nothing(dist_run, tmp_path
             assert ready <= pack["ts"] <= c["ts"] + 1  # (µs, rounded)
             assert c["ts"] <= c["ts"] + c["dur"] <= wait["ts"] + wait["dur"] + 1
             assert f"bucket{b}.unpack" in by
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("options", [{}, dict(native_hooks=False),
+                                     dict(find_unused_parameters=True)],
+                         ids=["native", "python", "unused"])
+def test_each_buckets_first_gradient_is_traced(dist_run, tmp_path, options):
+    # counted in C++ (the default), by the Python hooks, and through the used-map path; the
+    # instant was documented, and before never recorded
+    path = dist_run(_traced_training, str(tmp_path), False, **options, world_size=2)[0][1]
+    events = [e for e in trace.load(path)["traceEvents"] if e.get("ph") in ("X", "i")]
+    last = max(e["args"]["step"] for e in events if e["name"] == "backward")
+    for pid in (0, 1):
+        mine = {e["name"]: e for e in events if e["pid"] == pid and e["args"].get("step") == last}
+        buckets = sorted(e["args"]["bucket"] for e in mine.values()
+                         if e["name"].endswith(".last_ready"))
+        assert len(buckets) > 1, mine.keys()
+        start = mine["backward"]["ts"]
+        for b in buckets:
+            first, ready = mine[f"bucket{b}.first_ready"], mine[f"bucket{b}.last_ready"]
+            assert first["args"]["bucket"] == b
+            assert start - 1 <= first["ts"] <= ready["ts"] + 1, (pid, b, start, first, ready)
 
 
 @pytest.mark.dist

@@ -205,8 +205,10 @@ class Backward:
             self.agree_on_state()  # before the first bucket: one all-gather, then never
         if not self.allocated:
             self.allocate()
+        stamp = 0 if self.comm.tracer is not None else None  # (first gradients' times)
         for bucket in self.buckets:
             bucket.reset()
+            bucket.t_first = stamp
         self.guard.mark_progress(p.iteration)
         if self.comm.tracer is not None:
             self.comm.tracer.next_step(p.iteration)
@@ -308,9 +310,13 @@ class Backward:
         """``bucket``'s last gradient is in: launch it, and those after it that are
         complete, if every bucket before it is launched."""
         bucket.state = BucketState.READY
-        if self.comm.tracer is not None:
-            self.comm.tracer.instant(f"bucket{bucket.index}.last_ready",
-                                     args={"bucket": bucket.index})
+        tr = self.comm.tracer
+        if tr is not None:
+            b = bucket.index
+            first = bucket.t_first or self.native.first_ns(b)
+            if first:
+                tr.instant(f"bucket{b}.first_ready", args={"bucket": b}, t=first)
+            tr.instant(f"bucket{b}.last_ready", args={"bucket": b})
         if bucket.index == p.next_bucket:
             self._advance(p)
 

@@ -111,6 +111,8 @@ class GradHook:
                 bw.bucket_complete(p, bucket)
             return
         p.ready[self.index] = 1
+        if bucket.t_first == 0:  # (traced: the bucket's first gradient)
+            bucket.t_first = time.perf_counter_ns()
         if bucket.eager and bucket.index not in p.skip:  # (a skipped bucket is not packed:
             bucket.put(k, p.scale)  # its slot may be the parameter's .grad, lent as a view)
         bucket.pending -= 1
@@ -199,7 +201,7 @@ _NOTHING = _Nothing()
 
 class _BucketBase:
     __slots__ = ("index", "spec", "params", "indices", "is_last", "state", "pending",
-                 "handle", "t_launch", "targets_all", "tracer", "trace_rec")
+                 "handle", "t_launch", "targets_all", "tracer", "trace_rec", "t_first")
 
     def __init__(self, index: int, spec: Bucket, params: list[torch.Tensor], is_last: bool):
         self.index = index                   # position in reduction order
@@ -214,6 +216,9 @@ class _BucketBase:
         self.t_launch = 0.0                  # launch time (debug timings, logging_data)
         self.tracer = None                   # the tracer of its last launch (None: off)
         self.trace_rec = None                # its collective's trace record
+        #: a traced pass: when its first gradient was counted in Python (perf_counter_ns;
+        #: 0 until then); None: not traced (the native hooks stamp in C++)
+        self.t_first: int | None = None
 
     def describe(self) -> str:
         return f"bucket {self.index} ({len(self.indices)} tensors, {self.spec.numel} elements)"

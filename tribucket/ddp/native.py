@@ -220,13 +220,19 @@ class NativeHooks:
         """Pass ``p`` is plain from here on: count its native buckets in C++."""
         if any(self.native):
             self.hooks.begin(torch.frombuffer(p.ready, dtype=torch.uint8),
-                             [b.pending for b in buckets], self.native)
+                             [b.pending for b in buckets], self.native,
+                             self.bw.comm.tracer is not None)  # (stamp first gradients)
             self.on = True
 
     def mark(self, index: int) -> bool:
         """Count parameter ``index`` (of a native bucket) in from Python; whether its bucket
         is complete."""
         return self.hooks.mark(index)
+
+    def first_ns(self, b: int) -> int:
+        """When bucket ``b``'s first gradient was counted in C++ in this traced pass
+        (``time.perf_counter_ns``; 0: not)."""
+        return self.hooks.first_ns(b) if self.on and self.native[b] else 0
 
     def end(self, buckets: list) -> None:
         """The pass ends (or is abandoned): the native buckets' counts back to Python."""
@@ -269,6 +275,9 @@ class _NoNative:
 
     def layout(self, buckets: list, slot: list) -> None:
         pass
+
+    def first_ns(self, b: int) -> int:
+        return 0
 
 
 NO_NATIVE = _NoNative()

@@ -6,7 +6,9 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/Exceptions.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -20,6 +22,8 @@ struct State {
   std::vector<int32_t> bucket_of;    // per parameter: its bucket
   std::vector<uint8_t> native;       // per bucket: counted here during an enabled pass
   std::vector<int32_t> pending;      // per bucket: gradients not yet counted
+  std::vector<int64_t> first_ns;     // per bucket, when stamping: its first gradient's time
+  bool stamp = false;                // record first_ns this pass (a trace is being taken)
   uint8_t* ready = nullptr;          // per parameter: the pass's ready flags (Python's bytearray)
   at::Tensor ready_owner;            // keeps that buffer alive
   bool enabled = false;              // a pass whose native buckets are counted here
@@ -27,6 +31,16 @@ struct State {
   py::object on_complete;            // on_complete(bucket): a native bucket's count reached 0
   py::object fallback;               // fallback(param): every other gradient
 };
+
+// time.perf_counter_ns()'s clock (CLOCK_MONOTONIC on Linux)
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void stamp_first(State& s, int32_t b) {
+  if (s.stamp && s.first_ns[b] == 0) s.first_ns[b] = now_ns();
+}
 
 void call_python(const py::object& fn, int64_t arg) {
   py::gil_scoped_acquire gil;
@@ -52,6 +66,7 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
       const int32_t b = s.bucket_of[index];
       if (s.native[b]) {
         s.ready[index] = 1;
+        stamp_first(s, b);
         if (--s.pending[b] == 0) {
           call_python(s.on_complete, b);
         }
@@ -112,11 +127,14 @@ class Hooks {
     st_->bucket_of = std::move(bucket_of);
     st_->native.assign(n_buckets, 0);
     st_->pending.assign(n_buckets, 0);
+    st_->first_ns.assign(n_buckets, 0);
   }
 
   // a pass begins: ``ready`` (uint8, one per parameter) is the pass's flags, ``pending`` the
-  // count of each bucket, ``native`` which buckets are counted here
-  void begin(at::Tensor ready, std::vector<int32_t> pending, std::vector<uint8_t> native) {
+  // count of each bucket, ``native`` which buckets are counted here, ``stamp`` whether to
+  // record each native bucket's first gradient time
+  void begin(at::Tensor ready, std::vector<int32_t> pending, std::vector<uint8_t> native,
+             bool stamp) {
     TORCH_CHECK(ready.is_contiguous() && ready.scalar_type() == at::kByte &&
                 ready.numel() == (int64_t)st_->bucket_of.size(), "ready: one byte per parameter");
     TORCH_CHECK(pending.size() == st_->pending.size() && native.size() == st_->native.size());
@@ -124,6 +142,8 @@ class Hooks {
     st_->ready = ready.data_ptr<uint8_t>();
     st_->pending = std::move(pending);
     st_->native = std::move(native);
+    st_->stamp = stamp;
+    if (stamp) std::fill(st_->first_ns.begin(), st_->first_ns.end(), 0);
     st_->enabled = true;
   }
 
@@ -131,8 +151,13 @@ class Hooks {
   bool mark(int64_t i) {
     State& s = *st_;
     s.ready[i] = 1;
+    stamp_first(s, s.bucket_of[i]);
     return --s.pending[s.bucket_of[i]] == 0;
   }
+
+  // when bucket ``b``'s first gradient was counted here this pass (perf_counter_ns; 0: not
+  // stamped)
+  int64_t first_ns(int64_t b) const { return st_->first_ns.at(b); }
 
   // the pass ends: the counts left
   std::vector<int32_t> end() {
@@ -166,5 +191,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("remove", &Hooks::remove)
       .def("begin", &Hooks::begin)
       .def("mark", &Hooks::mark)
+      .def("first_ns", &Hooks::first_ns)
       .def("end", &Hooks::end);
 }

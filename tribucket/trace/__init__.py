@@ -1,7 +1,8 @@
 """A per-bucket timeline of the reducer and the MoE layer: record, write, read.
 
 Off by default. When it is off, the code that would record holds ``tracer = None`` and pays
-one ``is not None`` check per bucket (per MoE phase), nothing per parameter. When it is on,
+one ``is not None`` check per bucket (per MoE phase); per gradient, nothing in the native
+hooks and one comparison in the Python hooks (the first-gradient stamp). When it is on,
 a :class:`Tracer` records spans and instants with ``time.perf_counter_ns``, opens a
 ``torch.profiler`` range for each span (so a user's ``torch.profiler`` trace shows them),
 and at :meth:`Tracer.close` rank 0 gathers every rank's events and writes **one** Chrome
@@ -28,9 +29,9 @@ name                       lane       what, and its args
 =========================  =========  =================================================
 ``backward``               compute    span: the pass's first gradient hook -> end of
                                       backward (the autograd engine's callback). ``{}``
-``bucket{i}.first_ready``  compute    instant (optional, not recorded by the reducer,
-                                      whose native hooks count gradients without a call
-                                      into Python): the bucket's first gradient. ``{bucket}``
+``bucket{i}.first_ready``  compute    instant: the bucket's first gradient is counted
+                                      (stamped in C++ by the native hooks, read at its
+                                      last). ``{bucket}``
 ``bucket{i}.last_ready``   compute    instant: its last gradient is counted (the bucket
                                       becomes READY). ``{bucket}``
 ``bucket{i}.pack``         compute    span: the fused pack. ``{bucket, bytes}``
@@ -64,7 +65,7 @@ without shadows: the pipelined schedules interleave them with the exchange, insi
 region's output to that of its input.
 
 Order guaranteed per bucket and step (what the tests check and the table relies on):
-``last_ready <= pack <= allreduce start <= allreduce end <= wait end``.
+``first_ready <= last_ready <= pack <= allreduce start <= allreduce end <= wait end``.
 
 Other names are allowed (the table ignores them; the PNG draws them grey).
 """
