@@ -393,6 +393,9 @@ def _bad_hooks():
     with tribucket.fused_bucketing(model) as reducer:
         for name, call in [
             ("not_callable", lambda: reducer.register_comm_hook(None, 3)),
+            # a state the hook cannot use: refused when registering (before, the first
+            # backward raised, then close() raised it again)
+            ("gossip_state", lambda: reducer.register_comm_hook(None, hooks.gossip_hook)),
             ("twice", lambda: (reducer.register_comm_hook(None, hooks.allreduce_hook),
                                reducer.register_comm_hook(None, hooks.allreduce_hook))),
         ]:
@@ -427,6 +430,8 @@ def test_bad_hooks_raise_named_errors(dist_run):
     assert "Future" in out["not_future"]
     assert out["not_callable"].startswith("TypeError") and "callable" in out["not_callable"]
     assert out["twice"].startswith("RuntimeError") and "already registered" in out["twice"]
+    assert out["gossip_state"] == ("TypeError: gossip_hook needs a tribucket.hooks.GossipState, "
+                                   "got NoneType"), out["gossip_state"]
     assert "before the first backward" in out["after_backward"]
     assert "gradient_as_bucket_view" in out["fused_view"]
 

@@ -244,9 +244,7 @@ def gossip_hook(state: GossipState, bucket) -> torch.futures.Future[torch.Tensor
         >>> state = tribucket.hooks.GossipState()
         >>> reducer.register_comm_hook(state, tribucket.hooks.gossip_hook)
     """
-    if not isinstance(state, GossipState):
-        raise TypeError(f"gossip_hook needs a tribucket.hooks.GossipState, got "
-                        f"{type(state).__name__}")
+    _needs_gossip_state(state)
     group = _group_of(state, bucket)
     world, rank = group.size(), dist.get_rank(group)
     buf = bucket.buffer()
@@ -262,6 +260,16 @@ def gossip_hook(state: GossipState, bucket) -> torch.futures.Future[torch.Tensor
            dist.P2POp(dist.irecv, recv, to_global(recv_from), group)]
     works = dist.batch_isend_irecv(ops)
     return _p2p_future(works, lambda: buf.add_(recv).mul_(0.5))
+
+
+def _needs_gossip_state(state: Any) -> None:
+    if not isinstance(state, GossipState):
+        raise TypeError(f"gossip_hook needs a tribucket.hooks.GossipState, got "
+                        f"{type(state).__name__}")
+
+
+#: checked by register_comm_hook, before any collective
+gossip_hook.check_state = _needs_gossip_state
 
 
 def _p2p_future(works: list, then: Callable[[], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:

@@ -336,6 +336,9 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         if self._bw.allocated or self.stats.iterations > 0:
             raise RuntimeError("register_comm_hook must be called before the first backward "
                                "pass (the buckets are already built for the default hook)")
+        check_state = getattr(hook, "check_state", None)  # (a hook's own, e.g. gossip_hook's)
+        if check_state is not None:
+            check_state(state)
         traits = _hook_traits(hook, state)
         if traits.wire_dtype is not None and self.config.gradient_as_bucket_view:
             raise ValueError(
