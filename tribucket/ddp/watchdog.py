@@ -282,14 +282,16 @@ class CommGuard:
         self.wait(dist.all_gather(rows, row, group=self.group, async_op=True),
                   f"debug fingerprint before {kind} {bucket}", iteration)
         table = [r.tolist() for r in rows]
-        # the collective's identity; the forward count (last) only describes it: a rank that
-        # ran out of inputs under Join shadows the others' collectives without forwards
-        if all(t[:-1] == table[0][:-1] for t in table):
+        # the collective and the forward count (last), except on a rank that shadows the
+        # others' collectives under Join (-1): it has no forwards of its own
+        steps = {t[-1] for t in table if t[-1] >= 0}
+        if all(t[:-1] == table[0][:-1] for t in table) and len(steps) <= 1:
             return
 
         def describe(t):
-            return (f"{_KIND_NAMES.get(t[0], '?')} {t[2]} of iteration {t[1]} after "
-                    f"training forward {t[5]} ({t[3]} elements of {_dtype_name(t[4])})")
+            after = "shadowing under Join" if t[5] < 0 else f"after training forward {t[5]}"
+            return (f"{_KIND_NAMES.get(t[0], '?')} {t[2]} of iteration {t[1]} {after} "
+                    f"({t[3]} elements of {_dtype_name(t[4])})")
 
         lines = "; ".join(f"rank {r}: {describe(t)}" for r, t in enumerate(table))
         self.failed = True  # their collectives no longer pair up: close() settles nothing
