@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import itertools
 
+import torch
 import torch.distributed as dist
 
 from ..comm import set_failure_handler
@@ -182,3 +183,23 @@ def _current_failure(group, error: BaseException) -> BaseException | None:
     """The comm layer's failure handler: the diagnosis of the layer running on ``group``."""
     guard = _CURRENT.get(id(group))
     return None if guard is None else guard.failure_of(error)
+
+
+def trace_backward(tr, name: str, y_TD: torch.Tensor, outputs, inputs,
+                   x_TD: torch.Tensor) -> None:
+    """``moe.combine.bwd``, ``moe.experts.bwd`` and ``moe.dispatch.bwd`` on tracer ``tr``:
+    from the gradient of each region's output to that of its input. Of per-expert (or
+    per-source) lists, the first tensor: autograd reaches it last, its gradient closes the
+    experts' backward."""
+    def one(ts):
+        if isinstance(ts, torch.Tensor):
+            return ts
+        return next((t for t in ts if t.requires_grad), None)
+
+    out, inp = one(outputs), one(inputs)
+    if out is None or inp is None:
+        return
+    args = {"layer": name}
+    tr.backward_range("moe.combine.bwd", y_TD, out, args=args)
+    tr.backward_range("moe.experts.bwd", out, inp, args=args)
+    tr.backward_range("moe.dispatch.bwd", inp, x_TD, args=args)

@@ -13,7 +13,6 @@ import copy
 import datetime
 import itertools
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -28,11 +27,12 @@ from ..kernels.moe import moe_counts, permute_tokens, unpermute_tokens
 from ..trace import current as _trace_current
 from ._checks import (broadcast_from_first_rank, check_ranks_agree, check_replica_group,
                       check_replicas_agree, crc, expert_signature)
-from ._guard import MoEGuard, _is_comm_failure
+from ._guard import MoEGuard, _is_comm_failure, trace_backward
 from .dispatcher import DispatchMeta, MoEDispatcher, _route, expert_capacity
 from .experts import GroupedExperts
 from .routing import SCORE_FUNCS, aux_loss, check_group_limits, route
 from .schedule import pipelined_experts
+from .shared import shared_forward, shared_list, shared_parameters
 from .shadow import ShadowCosts, resolve_shadow_policy
 
 __all__ = ["MoELayer", "MoEStats", "SCHEDULES", "SCORE_FUNCS"]
@@ -225,7 +225,7 @@ class MoELayer(nn.Module):
         if not experts or not all(isinstance(e, nn.Module) for e in experts):
             raise TypeError("experts must be a non-empty nn.ModuleList (or sequence) of this "
                             f"rank's expert modules, or a GroupedExperts, got {experts!r}")
-        shared = _shared_list(shared_experts)
+        shared = shared_list(shared_experts)
         if shared_gate and not shared:
             raise ValueError("shared_gate=True gates the shared experts' output, but "
                              "shared_experts is None: pass shared_experts= too")
@@ -491,7 +491,7 @@ class MoELayer(nn.Module):
             if beside:
                 half = x_TD.shape[0] // 2
                 x1_TD, x2_TD = x_TD.split([half, x_TD.shape[0] - half])
-                shared_params = self._shared_parameters()
+                shared_params = shared_parameters(self.shared_experts, self.shared_gate)
             # CPU grouped GEMMs run on each source rank's block as it came (no regroup copy
             # there and back); a GPU's, or experts one after another, on the regrouped rows
             by_source = (grouped and meta.regroup and meta.unique is None
@@ -529,7 +529,7 @@ class MoELayer(nn.Module):
                 y_TD = disp.combine(outputs, meta, by_source=by_source)
             tr = _trace_current()
             if tr is not None:  # the backward's phases: combine, experts, dispatch
-                _trace_backward(tr, self._guard.name, y_TD, outputs, inputs, x_TD)
+                trace_backward(tr, self._guard.name, y_TD, outputs, inputs, x_TD)
         else:  # the pipeline (a single step, every peer at once, for "alltoall" + shadows)
             group_size = self.group_size if self.schedule == "pairwise" else disp.world_size
             failure = None
@@ -642,24 +642,8 @@ class MoELayer(nn.Module):
                      route_scale=self.route_scale)
 
     def _shared_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """The sum of the shared experts' outputs, times ``sigmoid(gate(x))`` when gated."""
-        out_TD = None
-        for i, expert in enumerate(self.shared_experts):
-            y_TD = expert(x_TD)
-            if not isinstance(y_TD, torch.Tensor) or y_TD.shape != x_TD.shape:
-                got = tuple(y_TD.shape) if isinstance(y_TD, torch.Tensor) else type(y_TD).__name__
-                raise ValueError(f"shared expert {i} on rank {self.dispatcher.rank} returned {got} "
-                                 f"for an input of shape {list(x_TD.shape)}; shared experts must "
-                                 f"map [n, D] -> [n, D]")
-            out_TD = y_TD if out_TD is None else out_TD + y_TD
-        if self.shared_gate is not None:
-            gate_T1 = torch.sigmoid(self.shared_gate(x_TD.to(self.shared_gate.weight.dtype)))
-            out_TD = out_TD * gate_T1.to(out_TD.dtype)
-        return out_TD
-
-    def _shared_parameters(self) -> list[torch.Tensor]:
-        mods = [self.shared_experts] + ([self.shared_gate] if self.shared_gate is not None else [])
-        return [p for m in mods for p in m.parameters()]
+        """The shared experts' output (:func:`~tribucket.moe.shared.shared_forward`)."""
+        return shared_forward(self.shared_experts, self.shared_gate, x_TD, self.dispatcher.rank)
 
     def _router_logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         """fp32 ``[T, E]`` logits; the router runs in its own parameter dtype (fp32 by default)."""
@@ -701,38 +685,3 @@ def _drop_other_ranks_experts(module: MoELayer, state_dict, prefix, *_unused) ->
         index = key[len(head):].split(".", 1)[0]
         if index.isdigit() and index not in mine and int(index) < module.num_experts:
             del state_dict[key]
-
-
-def _trace_backward(tr, name: str, y_TD: torch.Tensor, outputs, inputs,
-                    x_TD: torch.Tensor) -> None:
-    """``moe.combine.bwd``, ``moe.experts.bwd`` and ``moe.dispatch.bwd``: from the gradient
-    of each region's output to that of its input. Of per-expert (or per-source) lists, the
-    first tensor: autograd reaches it last, its gradient closes the experts' backward."""
-    def one(ts):
-        if isinstance(ts, torch.Tensor):
-            return ts
-        return next((t for t in ts if t.requires_grad), None)
-
-    out, inp = one(outputs), one(inputs)
-    if out is None or inp is None:
-        return
-    args = {"layer": name}
-    tr.backward_range("moe.combine.bwd", y_TD, out, args=args)
-    tr.backward_range("moe.experts.bwd", out, inp, args=args)
-    tr.backward_range("moe.dispatch.bwd", inp, x_TD, args=args)
-
-
-def _shared_list(shared) -> list[nn.Module]:
-    """``shared_experts=`` as a list of modules (None: [])."""
-    if shared is None:
-        return []
-    if isinstance(shared, nn.Module) and not isinstance(shared, (nn.ModuleList, nn.ModuleDict)):
-        items = [shared]
-    elif isinstance(shared, nn.ModuleDict):
-        items = list(shared.values())
-    else:
-        items = list(shared) if isinstance(shared, Iterable) else []
-    if not items or not all(isinstance(m, nn.Module) for m in items):
-        raise TypeError(f"shared_experts must be a module or a non-empty list of modules (each "
-                        f"[n, D] -> [n, D]), got {shared!r}")
-    return items
