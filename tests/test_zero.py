@@ -500,3 +500,95 @@ def test_the_default_overlaps_the_gathers_and_leaving_waits_for_them(dist_run):
         # leaving fused_bucketing landed the gathers: the parameters hold the step
         for a, b in zip(default["params"], waited["params"]):
             assert torch.equal(a, b), "the parameters after leaving miss the last step"
+
+
+# ------------------------------------------------------------ torch's optimizer ecosystem
+def _scheduled(steps=6):
+    """An LR scheduler given the ShardedOptimizer itself (as torch's schedulers take
+    ZeroRedundancyOptimizer) against DDP + AdamW under the same schedule."""
+    import warnings
+    rank = dist.get_rank()
+    mine, theirs = _build(rank), _build(rank)
+    ddp = DDP(theirs)
+    with tribucket.fused_bucketing(mine, shard_optimizer=True, bucket_cap_mb=CAP) as reducer:
+        opt = ShardedOptimizer(reducer, torch.optim.AdamW, _groups(mine), lr=1e-2,
+                               overlap_param_gather=False)
+        ref = torch.optim.AdamW(_groups(theirs), lr=1e-2)
+        warmup = lambda s: min(1.0, (s + 1) / 3)  # noqa: E731
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+        ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, warmup)
+        lrs, hooked = [], []
+        opt.register_step_pre_hook(lambda o, args, kw: hooked.append(("pre", o is opt)))
+        opt.register_step_post_hook(lambda o, args, kw: hooked.append(("post", o is opt)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                x = _batch(rank, step)
+                mine(x).square().mean().backward()
+                ddp(x).square().mean().backward()
+                opt.step()
+                ref.step()
+                opt.zero_grad()
+                ref.zero_grad()
+                sched.step()
+                ref_sched.step()
+                lrs.append([g["lr"] for g in opt.param_groups])
+                assert lrs[-1] == [g["lr"] for g in ref.param_groups], (step, lrs[-1])
+                for (name, a), b in zip(mine.named_parameters(), theirs.parameters()):
+                    torch.testing.assert_close(a, b, **FP32,
+                                               msg=lambda m: f"step {step} {name}: {m}")
+        # torch's state-dict hooks: a post hook may extend the state, a load pre hook edit it
+        opt.register_state_dict_pre_hook(lambda o: hooked.append(("sd-pre", o is opt)))
+        opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 7})
+
+        def load_pre(o, sd):
+            hooked.append(("load-pre", sd.get("extra")))
+            return {k: v for k, v in sd.items() if k != "extra"}
+
+        opt.register_load_state_dict_pre_hook(load_pre)
+        opt.register_load_state_dict_post_hook(lambda o: hooked.append(("load-post", True)))
+        saved = opt.state_dict()
+        assert saved["extra"] == 7
+        opt.load_state_dict(saved)
+        assert opt.state_dict()["state"].keys() == ref.state_dict()["state"].keys()
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+        plateau.step(1.0)
+        plateau.step(2.0)  # no improvement: the lr drops tenfold
+        return dict(lrs=lrs, plateau=[g["lr"] for g in opt.param_groups],
+                    warned=[str(w.message) for w in caught if "lr_scheduler" in str(w.message)],
+                    is_optimizer=isinstance(opt, torch.optim.Optimizer), hooked=hooked)
+
+
+def test_an_lr_scheduler_takes_the_sharded_optimizer(dist_run):
+    for res in dist_run(_scheduled, world_size=2, timeout=60):
+        assert res["is_optimizer"]
+        assert res["hooked"] == [("pre", True), ("post", True)] * 6 + [
+            ("sd-pre", True), ("load-pre", 7), ("load-post", True), ("sd-pre", True)], res["hooked"]
+        assert res["lrs"][0] != res["lrs"][-1], "the schedule never moved the lr"
+        assert not res["warned"], res["warned"]
+        assert res["plateau"] == pytest.approx([lr / 10 for lr in res["lrs"][-1]])
+
+
+def _torch_scaler():
+    """torch's own GradScaler finds no .grad in a ShardedOptimizer's groups: it would step
+    with the scaled gradients. It must be refused before any parameter changes."""
+    rank = dist.get_rank()
+    model = _build(rank)
+    with tribucket.fused_bucketing(model, shard_optimizer=True, bucket_cap_mb=CAP) as reducer:
+        opt = ShardedOptimizer(reducer, torch.optim.SGD, lr=0.1, overlap_param_gather=False)
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        scaler.scale(model(_batch(rank, 0)).square().mean()).backward()
+        try:
+            scaler.step(opt)
+            msg = None
+        except TypeError as e:
+            msg = str(e)
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        return msg, unchanged
+
+
+def test_torch_grad_scaler_is_refused_before_a_step(dist_run):
+    for msg, unchanged in dist_run(_torch_scaler, world_size=2, timeout=60):
+        assert msg is not None and "ShardedOptimizer" in msg and "bf16" in msg, msg
+        assert unchanged, "the parameters moved under a refused scaler"

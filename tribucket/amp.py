@@ -39,14 +39,10 @@ def _grad_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor] | None:
 
 
 def _refuse_sharded(optimizer: Any) -> None:
-    from .zero import ShardedOptimizer
+    from .zero import ShardedOptimizer, loss_scaling_refused
 
     if isinstance(optimizer, ShardedOptimizer):
-        raise TypeError(
-            "GradScaler cannot drive a tribucket.ShardedOptimizer: its gradients live in the "
-            "reducer's bucket shards, not in .grad, so the scaler has nothing to unscale or "
-            "check for inf/NaN. Train with bf16 autocast (no loss scaling needed), or use "
-            "fused_bucketing without shard_optimizer and a plain optimizer with this scaler")
+        raise TypeError(loss_scaling_refused("GradScaler"))
 
 
 class GradScaler(torch.amp.GradScaler):

@@ -24,6 +24,7 @@ elements (no norms, no matrix shapes). See ``ELEMENTWISE_OPTIMIZERS``.
 
 from __future__ import annotations
 
+import collections
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -46,6 +47,24 @@ ELEMENTWISE_OPTIMIZERS = (
 
 _FORMAT = "tribucket.zero/1"
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def loss_scaling_refused(scaler: str) -> str:
+    """Why a GradScaler cannot drive a ShardedOptimizer, and what to do instead."""
+    return (f"{scaler} cannot drive a tribucket.ShardedOptimizer: its gradients live in the "
+            "reducer's bucket shards, not in .grad, so the scaler has nothing to unscale or "
+            "check for inf/NaN. Train with bf16 autocast (no loss scaling needed), or use "
+            "fused_bucketing without shard_optimizer and a plain optimizer with this scaler")
+
+
+def _refuse_loss_scaling(opt: "ShardedOptimizer") -> None:
+    """torch.amp.GradScaler.step sets ``found_inf`` (and ``grad_scale``) on an optimizer with
+    ``_step_supports_amp_scaling`` just before calling its ``step()``: refuse it there,
+    before any parameter changes (every rank drives its scaler alike: every rank raises)."""
+    if "found_inf" in opt.__dict__ or "grad_scale" in opt.__dict__:
+        opt.__dict__.pop("found_inf", None)
+        opt.__dict__.pop("grad_scale", None)
+        raise TypeError(loss_scaling_refused("torch.amp.GradScaler"))
 
 
 def _check_optimizer_class(cls: Any, assume_elementwise: bool) -> None:
@@ -135,7 +154,7 @@ class _Segment:
         self.tensor: torch.Tensor | None = None  # the view the optimizer steps
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(torch.optim.Optimizer):
     """Step ``optimizer_class`` on this rank's 1/world shard of every gradient bucket.
 
     Example::
@@ -172,7 +191,15 @@ class ShardedOptimizer:
     Between ``backward`` and ``step`` the parameters have no ``.grad``: the averaged
     gradients live, sharded, in the reducer. Every method that communicates
     (``step``, ``clip_grad_norm_``, ``state_dict``) must be called on every rank.
+
+    It is a ``torch.optim.Optimizer`` (as torch's ``ZeroRedundancyOptimizer`` is), so LR
+    schedulers and step hooks take it directly; ``param_groups``, ``state`` and
+    ``defaults`` are the wrapped optimizer's.
     """
+
+    # torch.amp.GradScaler hands such an optimizer its scale instead of unscaling .grad
+    # (there is none here): step() sees it and refuses, with the reason
+    _step_supports_amp_scaling = True
 
     def __init__(self, reducer, optimizer_class: type, params: Iterable | None = None, *,
                  assume_elementwise: bool = False, overlap_param_gather: bool = True,
@@ -230,12 +257,24 @@ class ShardedOptimizer:
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"},
                                  "params": tensors})
         self.optim = optimizer_class(inner_groups, **defaults)
+        self._init_optimizer_interface()
         self._gathers: list = [None] * len(self._flat)  # per bucket: all-gather in flight
         self._overlap = bool(overlap_param_gather)
         _exit.register(self)  # gathers drained, groups dropped before interpreter shutdown
         self._hooks = self._wait_hooks(module, averaged) if self._overlap else []
         if self._overlap:  # leaving fused_bucketing waits for the gathers in flight
             reducer._before_close.append(weakref.WeakMethod(self.wait_parameters))
+
+    def _init_optimizer_interface(self) -> None:
+        """What ``torch.optim.Optimizer.__init__`` sets, but the groups: they are the wrapped
+        optimizer's (its ``__init__`` would build groups of its own through
+        ``add_param_group``, which is refused here)."""
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                     "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, collections.OrderedDict())
+        self._patch_step_function()  # step pre/post hooks, the profiler's step range
 
     def _wait_hooks(self, module, averaged: list) -> list:
         """A forward pre-hook and a state_dict pre-hook on every module holding parameters:
@@ -350,6 +389,7 @@ class ShardedOptimizer:
     def step(self, closure: Callable | None = None):
         """Step this rank's shards, then all-gather the parameters (one collective per
         bucket). Call on every rank."""
+        _refuse_loss_scaling(self)
         self.wait_parameters()  # a step before the next forward: the last gathers are done
         tr = self.reducer._comm.tracer
         rec = tr.begin("optimizer.step") if tr is not None else None
@@ -465,18 +505,27 @@ class ShardedOptimizer:
     def state_dict(self) -> dict:
         """The whole-model state in torch's structure (as ``optimizer_class`` over the same
         param groups would give it; fp32 state for fp16/bf16 parameters), gathered from
-        every rank: call on every rank; every rank gets it."""
+        every rank: call on every rank; every rank gets it. Runs the hooks of
+        ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook``, as torch's."""
+        for pre in self._optimizer_state_dict_pre_hooks.values():
+            pre(self)
         local = _to_cpu(self.sharded_state_dict())
         every: list = [None] * self._world
         if self._world > 1:
             dist.all_gather_object(every, local, group=self._group)
         else:
             every = [local]
-        return merge_sharded_state_dicts(every)
+        state = merge_sharded_state_dicts(every)
+        for post in self._optimizer_state_dict_post_hooks.values():
+            state = _hooked(post(self, state), state)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Load a whole-model state (from :meth:`state_dict` at any world size, or from a
-        torch optimizer of the same class over the same param groups)."""
+        torch optimizer of the same class over the same param groups). Runs the hooks of
+        ``register_load_state_dict_pre_hook`` / ``..._post_hook``, as torch's."""
+        for pre in self._optimizer_load_state_dict_pre_hooks.values():
+            state = _hooked(pre(self, state), state)
         self.wait_parameters()
         saved_groups = state.get("param_groups")
         if not isinstance(saved_groups, list) or "state" not in state:
@@ -519,6 +568,13 @@ class ShardedOptimizer:
                                  "params": list(range(k, k + n))})
             k += n
         self.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        for post in self._optimizer_load_state_dict_post_hooks.values():
+            post(self)
+
+
+def _hooked(out: Any, state: dict) -> dict:
+    """A state-dict hook may return a replacement (torch's contract) or None."""
+    return state if out is None else out
 
 
 def _param_shaped(key: str, v: Any, shape: tuple) -> bool:
