@@ -592,3 +592,49 @@ def test_torch_grad_scaler_is_refused_before_a_step(dist_run):
     for msg, unchanged in dist_run(_torch_scaler, world_size=2, timeout=60):
         assert msg is not None and "ShardedOptimizer" in msg and "bf16" in msg, msg
         assert unchanged, "the parameters moved under a refused scaler"
+
+
+def _copies_of_the_model():
+    """The wait hooks of ``overlap_param_gather`` on a copied or pickled model: a
+    ``torch.save(model)`` works, an EMA copy does not keep the optimizer alive, and leaving
+    ``fused_bucketing`` takes the hooks off the model."""
+    import gc
+    import io
+    import time
+    import weakref
+    rank = dist.get_rank()
+    model = _build(rank)
+    with tribucket.fused_bucketing(model, shard_optimizer=True, bucket_cap_mb=CAP) as reducer:
+        opt = ShardedOptimizer(reducer, torch.optim.AdamW, lr=1e-2)
+        model(_batch(rank, 0)).square().mean().backward()
+        opt.step()
+        opt.wait_parameters()  # a read of the parameters themselves (docs/zero.md)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        ema = torch.optim.swa_utils.AveragedModel(model)
+        opt_ref = weakref.ref(opt)
+    hooks_left = sum(len(m._forward_pre_hooks) + len(m._state_dict_pre_hooks)
+                     for m in model.modules())
+    buf.seek(0)
+    loaded, x = torch.load(buf, weights_only=False), _batch(rank, 1)
+    copies_equal = [torch.equal(loaded(x), model(x)), torch.equal(ema(x), model(x))]
+    # a step after the close (on the shards of the last backward): no hook waits for its
+    # gathers any more, so it must; rank 1 comes late, so rank 0's cannot have landed alone
+    before = [p.detach().clone() for p in model.parameters()]
+    if rank == 1:
+        time.sleep(0.5)
+    opt.step()
+    stepped = [p.detach().clone() for p in model.parameters()]
+    dist.barrier()
+    complete = any(not torch.equal(a, b) for a, b in zip(before, stepped)) and \
+        all(torch.equal(a, b) for a, b in zip(stepped, model.parameters()))
+    del opt, reducer
+    gc.collect()
+    return dict(hooks_left=hooks_left, opt_alive=opt_ref() is not None, complete=complete,
+                copies_equal=copies_equal)
+
+
+def test_copies_of_the_model_do_not_hold_the_optimizer(dist_run):
+    for res in dist_run(_copies_of_the_model, world_size=2, timeout=60):
+        assert res == dict(hooks_left=0, opt_alive=False, complete=True,
+                           copies_equal=[True, True]), res

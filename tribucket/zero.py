@@ -34,6 +34,7 @@ import torch.distributed as dist
 from ._shard import all_gather_single
 from . import _exit
 from .ddp import optsteps
+from .ddp.hookcall import HookRef
 
 __all__ = ["ShardedOptimizer", "ELEMENTWISE_OPTIMIZERS", "merge_sharded_state_dicts"]
 
@@ -263,7 +264,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         _exit.register(self)  # gathers drained, groups dropped before interpreter shutdown
         self._hooks = self._wait_hooks(module, averaged) if self._overlap else []
         if self._overlap:  # leaving fused_bucketing waits for the gathers in flight
-            reducer._before_close.append(weakref.WeakMethod(self.wait_parameters))
+            reducer._before_close.append(weakref.WeakMethod(self._release))
 
     def _init_optimizer_interface(self) -> None:
         """What ``torch.optim.Optimizer.__init__`` sets, but the groups: they are the wrapped
@@ -286,12 +287,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for m in module.modules():
             buckets = sorted({bucket_of[id(q)] for q in m.parameters(recurse=False)
                               if id(q) in bucket_of})
-            if buckets:
-                handles.append(m.register_forward_pre_hook(
-                    lambda _m, _args, bs=tuple(buckets): self._wait(bs)))
-                handles.append(m.register_state_dict_pre_hook(
-                    lambda _m, _prefix, _keep_vars, bs=tuple(buckets): self._wait(bs)))
+            if buckets:  # (a copy or a pickle of the model gets inert hooks: see HookRef)
+                hook = HookRef(self, "_wait_hook", (tuple(buckets),))
+                handles.append(m.register_forward_pre_hook(hook))
+                handles.append(m.register_state_dict_pre_hook(hook))
         return handles
+
+    def _wait_hook(self, buckets, *_module_and_args) -> None:
+        self._wait(buckets)
+
+    def _release(self) -> None:
+        """At the reducer's close: the gathers land, and the hooks come off the model (they
+        would keep this optimizer alive for as long as the model lives); a step after it
+        waits for its own gathers, as with ``overlap_param_gather=False``."""
+        self.wait_parameters()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._overlap = False
 
     def _wait(self, buckets) -> None:
         for b in buckets:
