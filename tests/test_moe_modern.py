@@ -723,3 +723,51 @@ def test_training_with_every_feature_matches_dense_reference(dist_run):
             # every rank of the world holds the same bias, to the bit
             assert torch.equal(b, results[0]["biases"][step]), (rank, step)
     assert results[0]["biases"][-1].abs().sum() > 0, "the bias must have moved"
+
+
+def _checkpointed_training(case: dict, checkpointed: bool, steps: int = 3):
+    """``in -> MoE -> head`` trained under fused_bucketing with SGD and the routing bias, the
+    MoE layer run under ``torch.utils.checkpoint`` (non-reentrant: its forward runs again,
+    exchanges included, in backward) or plainly: ``(losses, parameters, bias)``."""
+    from torch.utils.checkpoint import checkpoint
+    kw = dict(case)
+    grouped, shared = kw.pop("grouped", False), kw.pop("shared", False)
+    rank, W = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    experts = GroupedExperts(2, D, F) if grouped else [SwiGLUExpert(D, F) for _ in range(2)]
+    layer = MoELayer(experts, 2 * W, D, top_k=2, bias_update_rate=0.01,
+                     shared_experts=SwiGLUExpert(D, F) if shared else None, **kw)
+    model = nn.ModuleDict(dict(inp=nn.Linear(D, D), moe=layer, head=nn.Linear(D, D)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    with tribucket.fused_bucketing(model):
+        for step in range(steps):
+            x, _ = _tokens(step, rank, 9 + 3 * rank)
+            h = model["inp"](x)
+            y = checkpoint(layer, h, use_reentrant=False) if checkpointed else layer(h)
+            loss = model["head"](y).square().mean() + layer.aux_loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            update_routing_biases(model)
+            losses.append(loss.detach())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, \
+        layer.expert_bias.clone()
+
+
+def _checkpointed_vs_plain(cases):
+    return [(_checkpointed_training(c, True), _checkpointed_training(c, False)) for c in cases]
+
+
+@pytest.mark.dist
+def test_activation_checkpointing_of_the_layer_trains_as_without(dist_run):
+    cases = [dict(), dict(schedule="pairwise", group_size=2), dict(shared=True),
+             dict(grouped=True, score_func="sigmoid"), dict(dedup=True)]
+    for per_rank in dist_run(_checkpointed_vs_plain, cases, world_size=2, timeout=120):
+        for case, ((l1, p1, b1), (l0, p0, b0)) in zip(cases, per_rank):
+            torch.testing.assert_close(torch.stack(l1), torch.stack(l0), rtol=0, atol=0)
+            assert not torch.equal(b0, torch.zeros_like(b0)), "the bias never moved"
+            torch.testing.assert_close(b1, b0, rtol=0, atol=0)
+            for name in p0:
+                torch.testing.assert_close(p1[name], p0[name], rtol=1e-6, atol=1e-7,
+                                           msg=lambda m: f"{case} {name}: {m}")

@@ -258,6 +258,29 @@ def test_aux_losses_sums_every_layer_and_rejects_misuse():
         aux_losses(nn.Linear(2, 2))
 
 
+def test_aux_losses_of_a_forward_without_autograd_are_refused_for_training():
+    """A reentrant activation checkpoint runs the first forward under no_grad: the aux loss
+    it leaves has no gradient, and adding it to the loss would silently not train the
+    router. aux_losses() says so when asked for a loss to train with (grad mode on); an
+    evaluation under no_grad still reads it."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), MoELayer([_ffn(e) for e in range(2)], 2, D))
+    x = torch.randn(5, D)
+    checkpoint(model, x, use_reentrant=True).sum()
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        aux_losses(model)
+    with torch.no_grad():
+        aux_losses(model)  # logging it is fine
+        model(x)
+        aux_losses(model)
+    checkpoint(model, x, use_reentrant=False)  # the aux loss has its gradient
+    assert aux_losses(model).requires_grad
+    model.eval()  # an evaluation forward without no_grad: still a gradient, nothing refused
+    model(x)
+    aux_losses(model)
+
+
 def test_default_expert_grad_scale_single_process_is_one():
     layer = MoELayer([_ffn(e) for e in range(2)], 2, D)
     assert layer.expert_grad_scale == 1.0

@@ -116,7 +116,9 @@ def aux_losses(model: nn.Module) -> torch.Tensor:
     from its last forward; add it to your loss: ``loss = task_loss + aux_losses(model)``.
 
     Layers that have not run a forward yet are skipped; a model without any MoELayer, or
-    none of whose layers has run, is an error (the loss would silently be zero).
+    none of whose layers has run, is an error (the loss would silently be zero). So is, in
+    grad mode, a training layer whose last forward ran without autograd (a reentrant
+    activation checkpoint's first pass): its loss would not train the router.
     """
     from .layer import MoELayer
 
@@ -127,7 +129,25 @@ def aux_losses(model: nn.Module) -> torch.Tensor:
     if not losses:
         raise RuntimeError(f"aux_losses: no MoELayer of the model has run a forward yet "
                            f"({', '.join(repr(n) for n, _ in layers[:3])}): call the model first")
+    if torch.is_grad_enabled():  # asked for a loss to train with
+        for name, m in layers:
+            if m.training and _aux_loss_lost_its_gradient(m):
+                raise RuntimeError(
+                    f"aux_losses: MoE layer {name!r} ran its last forward without autograd "
+                    "(under torch.no_grad, or in the first pass of "
+                    "torch.utils.checkpoint(..., use_reentrant=True)), so its aux_loss has "
+                    "no gradient and would not train the router. Checkpoint with "
+                    "use_reentrant=False; to only read the value, call aux_losses under "
+                    "torch.no_grad()")
     return torch.stack([loss.float() for loss in losses]).sum()
+
+
+def _aux_loss_lost_its_gradient(layer: nn.Module) -> bool:
+    """A balancing loss that should reach the router and cannot."""
+    loss = layer.aux_loss
+    return (loss is not None and loss.grad_fn is None
+            and (layer.aux_loss_coef > 0 or layer.z_loss_coef > 0)
+            and any(p.requires_grad for p in layer.router.parameters()))
 
 
 def update_routing_biases(model: nn.Module) -> None:
