@@ -276,6 +276,29 @@ def test_bias_update_follows_the_sign_rule_and_is_saved():
     assert torch.equal(layer.expert_bias, before)
 
 
+@pytest.mark.parametrize("cast", ["to", "half", "bfloat16"])
+def test_the_routing_bias_stays_fp32_in_a_low_precision_model(cast):
+    """DeepSeek-V3's 1e-3 steps vanish in a bf16 bias once it nears 0.25 (bf16 spaces its
+    values there by 2e-3): the bias stays fp32 when the model is cast, as Megatron keeps it,
+    and its value is kept exactly across the cast."""
+    layer = MoELayer(_experts("swiglu", 4, seed=5), 4, D, top_k=1, bias_update_rate=1e-3,
+                     score_func="sigmoid")
+    with torch.no_grad():
+        layer.expert_bias.copy_(torch.tensor([0.5, -0.3, 0.1234567, 0.0]))
+    before = layer.expert_bias.clone()
+    layer = {"to": lambda m: m.to(torch.bfloat16), "half": lambda m: m.half(),
+             "bfloat16": lambda m: m.bfloat16()}[cast](layer)
+    assert layer.router.weight.dtype != torch.float32  # the cast happened
+    assert layer.expert_bias.dtype == torch.float32
+    assert torch.equal(layer.expert_bias, before)
+    y = layer(torch.randn(8, D, dtype=layer.router.weight.dtype))  # routes with the fp32 bias
+    assert y.dtype == layer.router.weight.dtype
+    layer._apply_bias_update(torch.tensor([1.0, 5.0, 1.0, 1.0], dtype=torch.float64))
+    assert layer.expert_bias[0] == before[0] + 1e-3, layer.expert_bias  # not lost in rounding
+    layer.float()
+    assert layer.expert_bias.dtype == torch.float32
+
+
 @pytest.mark.parametrize("score,bias", [("sigmoid", True), ("softmax", False)])
 def test_group_limited_routing_and_route_scale_match_the_reference(score, bias):
     # DeepSeek-V3's routing: 8 experts in 4 groups, each token inside its 2 best groups,

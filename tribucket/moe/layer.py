@@ -386,6 +386,18 @@ class MoELayer(nn.Module):
         self._gathered: list[nn.Module] | None = None
         _exit.register(self)  # its groups and works dropped before interpreter shutdown
 
+    def _apply(self, fn, recurse=True):
+        """A cast to fp16/bf16 (``.to(torch.bfloat16)``, ``.half()``) leaves ``expert_bias`` in
+        fp32, exactly as it was, as Megatron keeps it: its small steps would vanish in a 16-bit
+        bias. Moves between devices apply to it as to everything else."""
+        bias = self._buffers.get("expert_bias")
+        out = super()._apply(fn, recurse)
+        moved = self._buffers.get("expert_bias")
+        if bias is not None and moved is not None and moved.dtype in (torch.float16,
+                                                                      torch.bfloat16):
+            self._buffers["expert_bias"] = bias.to(device=moved.device, dtype=torch.float32)
+        return out
+
     @property
     def local_experts(self) -> list[nn.Module]:
         """This rank's experts in local order (global index ``expert_offset + l``); with
