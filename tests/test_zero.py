@@ -638,3 +638,29 @@ def test_copies_of_the_model_do_not_hold_the_optimizer(dist_run):
     for res in dist_run(_copies_of_the_model, world_size=2, timeout=60):
         assert res == dict(hooks_left=0, opt_alive=False, complete=True,
                            copies_equal=[True, True]), res
+
+
+def _clip_of_the_model_under_shards():
+    """tribucket.clip_grad_norm_ over a model whose gradients live in the shards finds no
+    .grad: it returned 0 and clipped nothing. It must say where the gradients are."""
+    rank = dist.get_rank()
+    model = _build(rank)
+    with tribucket.fused_bucketing(model, shard_optimizer=True, bucket_cap_mb=CAP) as reducer:
+        opt = ShardedOptimizer(reducer, torch.optim.SGD, lr=0.1)
+        model(_batch(rank, 0)).square().mean().backward()
+        msgs = []
+        for given in (model, model.parameters(), list(model.head.parameters())):
+            try:
+                msgs.append(f"returned {tribucket.clip_grad_norm_(given, 1e-3)}")
+            except ValueError as e:
+                msgs.append(str(e))
+        norm = opt.clip_grad_norm_(1e-3)  # the way that works, still
+        opt.step()
+        opt.zero_grad()
+    return msgs, float(norm)
+
+
+def test_tribucket_clip_of_a_sharded_model_names_the_optimizer_s_clip(dist_run):
+    for msgs, norm in dist_run(_clip_of_the_model_under_shards, world_size=2, timeout=60):
+        assert norm > 1e-3
+        assert all("opt.clip_grad_norm_" in m and "shard" in m for m in msgs), msgs

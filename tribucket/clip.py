@@ -31,6 +31,7 @@ from torch import nn
 
 from ._epilogue import cover
 from ._tags import expert_group, is_expert_parallel
+from .ddp import optsteps
 from .trace.tracer import span_if_tracing
 
 __all__ = ["clip_grad_norm_"]
@@ -58,6 +59,8 @@ def clip_grad_norm_(parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor
         parameters = parameters.parameters()
     elif isinstance(parameters, torch.Tensor):
         parameters = [parameters]
+    parameters = list(parameters)
+    _refuse_sharded(parameters)
     params = [p for p in parameters if p.grad is not None]
     p_norm = float(norm_type)
     if math.isnan(p_norm) or p_norm <= 0:
@@ -67,6 +70,21 @@ def clip_grad_norm_(parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor
         return torch.tensor(0.0)
     with span_if_tracing("epilogue", args={"op": "clip_grad_norm_"}):
         return _clip(params, max_norm, p_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _refuse_sharded(parameters: list[torch.Tensor]) -> None:
+    """Parameters of a ``shard_optimizer=True`` reducer keep their averaged gradients in the
+    optimizer's shards, never in ``.grad``: their norm would be silently left out."""
+    live = [bw for bw in optsteps.live() if bw.shards is not None]
+    if not live:
+        return
+    ids = set(map(id, parameters))
+    if any(not ids.isdisjoint(bw.param_ids) for bw in live):
+        raise ValueError(
+            "clip_grad_norm_: these parameters are averaged by fused_bucketing(..., "
+            "shard_optimizer=True), whose gradients live in the ShardedOptimizer's shards, not "
+            "in .grad, so their norm would be left out (torch's clip_grad_norm_ leaves it out "
+            "too); clip with opt.clip_grad_norm_(max_norm) on the ShardedOptimizer instead")
 
 
 def _clip(params: list[torch.Tensor], max_norm: float, p_norm: float, norm_type,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["watch", "unwatch", "stepped"]
+__all__ = ["watch", "unwatch", "stepped", "live"]
 
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()  # Backward objects of attached reducers
 _generation = 0  # bumped when _LIVE changes: the optimizers' matches are recomputed
@@ -42,6 +42,11 @@ def unwatch(bw: Any) -> None:
     global _generation
     _LIVE.discard(bw)
     _generation += 1
+
+
+def live() -> list:
+    """The Backward objects of the reducers attached now."""
+    return list(_LIVE)
 
 
 def stepped(bw: Any) -> None:
