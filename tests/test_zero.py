@@ -517,6 +517,8 @@ def _scheduled(steps=6):
         warmup = lambda s: min(1.0, (s + 1) / 3)  # noqa: E731
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
         ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, warmup)
+        assert [id(q) for g in opt.param_groups for q in g["params"]] == \
+            [id(q) for g in _groups(mine) for q in g["params"]]  # the model's, as torch's
         lrs, hooked = [], []
         opt.register_step_pre_hook(lambda o, args, kw: hooked.append(("pre", o is opt)))
         opt.register_step_post_hook(lambda o, args, kw: hooked.append(("post", o is opt)))
@@ -664,3 +666,49 @@ def test_tribucket_clip_of_a_sharded_model_names_the_optimizer_s_clip(dist_run):
     for msgs, norm in dist_run(_clip_of_the_model_under_shards, world_size=2, timeout=60):
         assert norm > 1e-3
         assert all("opt.clip_grad_norm_" in m and "shard" in m for m in msgs), msgs
+
+
+def _dcp_round_trip(path):
+    """The DCP recipe of docs/reliability.md with a ShardedOptimizer: ``get_state_dict(model,
+    opt)`` saved by ``dcp.save``; a fresh model, reducer and optimizer (other weights, no
+    optimizer state yet) loaded through ``dcp.load`` + ``set_state_dict`` continue bit for
+    bit. ``get_state_dict`` creates a fresh optimizer's state with a zero-lr step on zero
+    ``.grad``, as it does for any torch optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    rank = dist.get_rank()
+
+    def steps(model, opt, first, n):
+        for step in range(first, first + n):
+            model(_batch(rank, step)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    model = _build(0)
+    with tribucket.fused_bucketing(model, shard_optimizer=True, bucket_cap_mb=CAP) as reducer:
+        opt = ShardedOptimizer(reducer, torch.optim.AdamW, _groups(model), lr=1e-2)
+        steps(model, opt, 0, 3)
+        model_sd, opt_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "opt": opt_sd}, checkpoint_id=path)
+        steps(model, opt, 3, 2)
+    straight = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model = _build(1)  # other weights: the checkpoint must bring them
+    with tribucket.fused_bucketing(model, shard_optimizer=True, bucket_cap_mb=CAP) as reducer:
+        opt = ShardedOptimizer(reducer, torch.optim.AdamW, _groups(model), lr=1e-2)
+        fresh = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model_sd, opt_sd = get_state_dict(model, opt)  # creates the state to load into
+        opt.wait_parameters()
+        untouched = all(torch.equal(p, fresh[n]) for n, p in model.named_parameters())
+        state = {"model": model_sd, "opt": opt_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["opt"])
+        steps(model, opt, 3, 2)
+    return untouched, [n for n, p in model.named_parameters() if not torch.equal(p, straight[n])]
+
+
+def test_a_dcp_checkpoint_resumes_bit_for_bit(dist_run, tmp_path):
+    for untouched, differ in dist_run(_dcp_round_trip, str(tmp_path / "ckpt"), world_size=2,
+                                      timeout=60):
+        assert untouched, "get_state_dict's zero-lr step moved the parameters"
+        assert differ == [], differ

@@ -193,9 +193,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     gradients live, sharded, in the reducer. Every method that communicates
     (``step``, ``clip_grad_norm_``, ``state_dict``) must be called on every rank.
 
-    It is a ``torch.optim.Optimizer`` (as torch's ``ZeroRedundancyOptimizer`` is), so LR
-    schedulers and step hooks take it directly; ``param_groups``, ``state`` and
-    ``defaults`` are the wrapped optimizer's.
+    It is a ``torch.optim.Optimizer`` (as torch's ``ZeroRedundancyOptimizer`` is): LR
+    schedulers, step and state-dict hooks and torch.distributed.checkpoint's
+    ``get_state_dict``/``set_state_dict`` take it. ``param_groups`` hold the model's
+    parameters with the wrapped optimizer's options; ``state`` and ``defaults`` are the
+    wrapped optimizer's (its state keyed by this rank's shard tensors).
     """
 
     # torch.amp.GradScaler hands such an optimizer its scale instead of unscaling .grad
@@ -258,6 +260,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"},
                                  "params": tensors})
         self.optim = optimizer_class(inner_groups, **defaults)
+        # torch's view (``param_groups``): per original group its parameters and the wrapped
+        # group's options; schedulers write the options here, step() hands them on
+        self._groups = [{**_options(inner), "params": [self._user_params[u] for u in users]}
+                        for inner, users in zip(self.optim.param_groups, self._user_groups)]
         self._init_optimizer_interface()
         self._gathers: list = [None] * len(self._flat)  # per bucket: all-gather in flight
         self._overlap = bool(overlap_param_gather)
@@ -362,9 +368,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ torch's interface
     @property
     def param_groups(self) -> list[dict]:
-        """The wrapped optimizer's groups: one per original group, same options (an LR
-        scheduler may be given this object or ``self.optim``)."""
-        return self.optim.param_groups
+        """One group per original group, as a torch optimizer over the model's parameters
+        has them: its parameters and options. An option changed here (an LR scheduler's
+        ``lr``) reaches the wrapped optimizer's groups at the next ``step()``."""
+        return self._groups
+
+    def _options_down(self) -> None:
+        """The options of ``param_groups`` into the wrapped optimizer's groups."""
+        for mine, inner in zip(self._groups, self.optim.param_groups):
+            inner.update(_options(mine))
+
+    def _options_up(self) -> None:
+        """The wrapped optimizer's options (just loaded) into ``param_groups``."""
+        for mine, inner in zip(self._groups, self.optim.param_groups):
+            mine.update(_options(inner))
 
     def add_param_group(self, param_group: dict) -> None:
         """Refused: the shards are slices of the reducer's buckets, laid out when
@@ -410,23 +427,45 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._options_down()
         grads, used = self.reducer.grad_shards, self.reducer.shard_used
-        master_grads = []
-        for g, m in zip(grads, self._master):
-            master_grads.append(None if g is None else g if g.dtype == m.dtype
-                                else g.to(m.dtype))
-        for seg in self._segments:
-            g = master_grads[seg.bucket]
-            if g is None or (used is not None and not any(used[i] for i in seg.params)):
-                seg.tensor.grad = None  # no rank used it: torch would skip the parameter
-            else:
-                seg.tensor.grad = g.narrow(0, seg.start, seg.length)
+        if all(g is None for g in grads):  # no backward under the reducer since zero_grad
+            self._grads_from_dot_grad()
+        else:
+            master_grads = []
+            for g, m in zip(grads, self._master):
+                master_grads.append(None if g is None else g if g.dtype == m.dtype
+                                    else g.to(m.dtype))
+            for seg in self._segments:
+                g = master_grads[seg.bucket]
+                if g is None or (used is not None and not any(used[i] for i in seg.params)):
+                    seg.tensor.grad = None  # no rank used it: torch would skip the parameter
+                else:
+                    seg.tensor.grad = g.narrow(0, seg.start, seg.length)
         self.optim.step()
         optsteps.stepped(self.reducer._bw)  # (its optimizer holds shards: not matched)
         self._gather_parameters()
         if rec is not None:
             tr.end(rec)
         return loss
+
+    def _grads_from_dot_grad(self) -> None:
+        """No averaged gradient since ``zero_grad``: this rank's slices step with the
+        parameters' own ``.grad`` (torch.distributed.checkpoint's ``get_state_dict`` creates
+        a fresh optimizer's state so: zero ``.grad``, lr 0). Each slice steps with its
+        owner's ``.grad``, so a ``.grad`` set by hand must be the same on every rank. A
+        slice none of whose parameters has a ``.grad`` is skipped."""
+        for seg in self._segments:
+            pieces = [(self._user_params[u].grad, p_start, s_start, n)
+                      for u, p_start, s_start, n in seg.pieces]
+            if all(g is None for g, *_ in pieces):
+                seg.tensor.grad = None
+                continue
+            flat = torch.zeros_like(seg.tensor)
+            for g, p_start, s_start, n in pieces:
+                if g is not None:
+                    flat[s_start:s_start + n] = g.detach().reshape(-1)[p_start:p_start + n]
+            seg.tensor.grad = flat
 
     def _gather_parameters(self) -> None:
         if self._world == 1:
@@ -481,6 +520,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         load it with :meth:`load_sharded_state_dict` at the same world size, or merge all
         ranks' with :func:`merge_sharded_state_dicts`."""
         self.wait_parameters()
+        self._options_down()
         return {
             "format": _FORMAT,
             "world_size": self._world,
@@ -514,6 +554,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              "bucket layout (model, param groups or bucket_cap_mb differ); "
                              "save and load with state_dict()/load_state_dict() instead")
         self.optim.load_state_dict(state["optimizer"])
+        self._options_up()
 
     def state_dict(self) -> dict:
         """The whole-model state in torch's structure (as ``optimizer_class`` over the same
@@ -533,10 +574,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             state = _hooked(post(self, state), state)
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state_dict: dict) -> None:
         """Load a whole-model state (from :meth:`state_dict` at any world size, or from a
         torch optimizer of the same class over the same param groups). Runs the hooks of
         ``register_load_state_dict_pre_hook`` / ``..._post_hook``, as torch's."""
+        state = state_dict
         for pre in self._optimizer_load_state_dict_pre_hooks.values():
             state = _hooked(pre(self, state), state)
         self.wait_parameters()
@@ -581,8 +623,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                  "params": list(range(k, k + n))})
             k += n
         self.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        self._options_up()
         for post in self._optimizer_load_state_dict_post_hooks.values():
             post(self)
+
+
+def _options(group: dict) -> dict:
+    """A param group's options (everything but its parameters)."""
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _hooked(out: Any, state: dict) -> dict:
