@@ -239,6 +239,52 @@ def _bad_groups_worker():
     return out
 
 
+def _sharded_dense_worker(ep_size: int):
+    """shard_optimizer=True on an MoE model: a ShardedOptimizer for the data-parallel
+    parameters, a torch optimizer for the experts, tribucket.clip_grad_norm_ over both;
+    against the dense reference."""
+    rank = dist.get_rank()
+    L, seed, steps, max_norm = 2, 3, 3, 0.15
+    ep, replicas = expert_data_parallel_groups(ep_size)
+    model, ref, first = _models(ep_size, L, seed, ep, replicas)
+    dense = [p for n, p in model.named_parameters() if ".experts." not in n]
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    with tribucket.fused_bucketing(model, shard_optimizer=True) as reducer:
+        opt = tribucket.ShardedOptimizer(reducer, torch.optim.SGD, dense, lr=0.2)
+        expert_opt = torch.optim.SGD(experts, lr=0.2)
+        with_grad, norms = [], []
+        for step in range(steps):
+            x, t = _data(seed, rank, step)
+            (nn.functional.mse_loss(model(x), t) + aux_losses(model)).backward()
+            with_grad.append(sum(p.grad is not None for p in experts))
+            # the global norm: sharded dense gradients and the experts' .grad together
+            norms.append(tribucket.clip_grad_norm_(model, max_norm))
+            opt.step()
+            expert_opt.step()
+            opt.zero_grad()
+            expert_opt.zero_grad()
+    ref_norms = _train_reference(ref, seed, range(steps), max_norm=max_norm)
+    return {"got": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "want": _wanted(ref, first, L), "with_grad": with_grad, "experts": len(experts),
+            "norms": norms, "ref_norms": ref_norms, "max_norm": max_norm}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("ep_size", [2, 4])
+def test_sharded_dense_parameters_beside_expert_parallel_ones(dist_run, ep_size):
+    """The experts' replicas (2 EP x 2 DP) are averaged into .grad, not sharded: a sharded
+    expert reducer left them without a gradient, so the experts never trained."""
+    for rank, out in enumerate(dist_run(_sharded_dense_worker, ep_size, world_size=4,
+                                        timeout=120)):
+        assert out["with_grad"] == [out["experts"]] * 3, out["with_grad"]
+        torch.testing.assert_close(torch.stack(out["norms"]), torch.stack(out["ref_norms"]),
+                                   atol=1e-5, rtol=1e-5)
+        assert max(float(n) for n in out["ref_norms"]) > out["max_norm"]  # it clips
+        for n, p in out["got"].items():
+            torch.testing.assert_close(p, out["want"][n], atol=2e-5, rtol=1e-4,
+                                       msg=lambda m: f"rank {rank} {n}: {m}")
+
+
 @pytest.mark.dist
 def test_replica_group_required_and_checked(dist_run):
     for out in dist_run(_bad_groups_worker, world_size=2):

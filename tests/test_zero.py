@@ -643,29 +643,36 @@ def test_copies_of_the_model_do_not_hold_the_optimizer(dist_run):
 
 
 def _clip_of_the_model_under_shards():
-    """tribucket.clip_grad_norm_ over a model whose gradients live in the shards finds no
-    .grad: it returned 0 and clipped nothing. It must say where the gradients are."""
+    """tribucket.clip_grad_norm_ over a model whose gradients live in the shards: the whole
+    model's norm from the shards (the ShardedOptimizer's own figure), the shards clipped; a
+    part of a sharded reducer's parameters is refused, naming opt.clip_grad_norm_."""
     rank = dist.get_rank()
     model = _build(rank)
+    out = {}
     with tribucket.fused_bucketing(model, shard_optimizer=True, bucket_cap_mb=CAP) as reducer:
         opt = ShardedOptimizer(reducer, torch.optim.SGD, lr=0.1)
         model(_batch(rank, 0)).square().mean().backward()
-        msgs = []
-        for given in (model, model.parameters(), list(model.head.parameters())):
-            try:
-                msgs.append(f"returned {tribucket.clip_grad_norm_(given, 1e-3)}")
-            except ValueError as e:
-                msgs.append(str(e))
-        norm = opt.clip_grad_norm_(1e-3)  # the way that works, still
+        try:
+            tribucket.clip_grad_norm_(list(model.head.parameters()), 1e-3)
+        except ValueError as e:
+            out["part"] = str(e)
+        out["whole"] = float(tribucket.clip_grad_norm_(model.parameters(), 1e9))  # no clip
+        out["opt"] = float(opt.clip_grad_norm_(1e9))
+        max_norm = out["whole"] / 4
+        out["clipped"] = float(tribucket.clip_grad_norm_(model, max_norm))
+        out["after"] = float(opt.clip_grad_norm_(1e9))  # the shards' norm, now clipped
+        out["max_norm"] = max_norm
         opt.step()
         opt.zero_grad()
-    return msgs, float(norm)
+    return out
 
 
-def test_tribucket_clip_of_a_sharded_model_names_the_optimizer_s_clip(dist_run):
-    for msgs, norm in dist_run(_clip_of_the_model_under_shards, world_size=2, timeout=60):
-        assert norm > 1e-3
-        assert all("opt.clip_grad_norm_" in m and "shard" in m for m in msgs), msgs
+def test_tribucket_clip_of_a_sharded_model_clips_the_shards(dist_run):
+    for out in dist_run(_clip_of_the_model_under_shards, world_size=2, timeout=60):
+        assert "opt.clip_grad_norm_" in out["part"] and "shard" in out["part"], out
+        assert out["whole"] == pytest.approx(out["opt"], rel=1e-6), out
+        assert out["clipped"] == pytest.approx(out["whole"], rel=1e-6), out
+        assert out["after"] == pytest.approx(out["max_norm"], rel=1e-4), out
 
 
 def _dcp_round_trip(path):

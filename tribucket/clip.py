@@ -44,10 +44,12 @@ def clip_grad_norm_(parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor
 
     Same signature and return value as ``torch.nn.utils.clip_grad_norm_`` (``parameters``
     may also be the model), for any mix of data-parallel and expert-parallel parameters
-    (:class:`tribucket.moe.MoELayer`'s experts, with or without replicas). Call it on every
-    rank, after backward (gradients averaged) and before ``optimizer.step()``: it issues one
-    small collective per expert-parallel group. Without torch.distributed initialised it is
-    torch's function.
+    (:class:`tribucket.moe.MoELayer`'s experts, with or without replicas), and for a model
+    under ``fused_bucketing(..., shard_optimizer=True)``, whose averaged gradients live in
+    the ShardedOptimizer's shards (all of its parameters must be given then). Call it on
+    every rank, after backward (gradients averaged) and before ``optimizer.step()``: it
+    issues one small collective per expert-parallel group and per sharding reducer. Without
+    torch.distributed initialised it is torch's function.
 
     Example::
 
@@ -60,36 +62,40 @@ def clip_grad_norm_(parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor
     elif isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     parameters = list(parameters)
-    _refuse_sharded(parameters)
+    sharded = _sharded(parameters)
     params = [p for p in parameters if p.grad is not None]
     p_norm = float(norm_type)
     if math.isnan(p_norm) or p_norm <= 0:
         raise ValueError(f"norm_type={norm_type!r} must be a positive number or inf (2.0: the "
                          "Euclidean norm)")
-    if not params:
+    if not params and not sharded:
         return torch.tensor(0.0)
     with span_if_tracing("epilogue", args={"op": "clip_grad_norm_"}):
-        return _clip(params, max_norm, p_norm, norm_type, error_if_nonfinite, foreach)
+        return _clip(params, max_norm, p_norm, norm_type, error_if_nonfinite, foreach, sharded)
 
 
-def _refuse_sharded(parameters: list[torch.Tensor]) -> None:
-    """Parameters of a ``shard_optimizer=True`` reducer keep their averaged gradients in the
-    optimizer's shards, never in ``.grad``: their norm would be silently left out."""
+def _sharded(parameters: list[torch.Tensor]) -> list:
+    """The attached ``shard_optimizer=True`` reducers (their Backward) whose parameters are
+    among ``parameters``: their averaged gradients live in the ShardedOptimizer's shards,
+    never in ``.grad``. All of a reducer's parameters, or none, must be given."""
     live = [bw for bw in optsteps.live() if bw.shards is not None]
     if not live:
-        return
+        return []
     ids = set(map(id, parameters))
-    if any(not ids.isdisjoint(bw.param_ids) for bw in live):
+    owners = [bw for bw in live if not ids.isdisjoint(bw.param_ids)]
+    if any(not bw.param_ids <= ids for bw in owners):
         raise ValueError(
-            "clip_grad_norm_: these parameters are averaged by fused_bucketing(..., "
-            "shard_optimizer=True), whose gradients live in the ShardedOptimizer's shards, not "
-            "in .grad, so their norm would be left out (torch's clip_grad_norm_ leaves it out "
-            "too); clip with opt.clip_grad_norm_(max_norm) on the ShardedOptimizer instead")
+            "clip_grad_norm_: some, not all, of the parameters given are averaged by "
+            "fused_bucketing(..., shard_optimizer=True), whose gradients live in the "
+            "ShardedOptimizer's shards, where they are mixed with the others'; clip the whole "
+            "model (clip_grad_norm_(model, ...)) or use opt.clip_grad_norm_(max_norm)")
+    return owners
 
 
 def _clip(params: list[torch.Tensor], max_norm: float, p_norm: float, norm_type,
-          error_if_nonfinite: bool, foreach) -> torch.Tensor:
-    """:func:`clip_grad_norm_` on ``params`` (those with a gradient), ``p_norm`` checked."""
+          error_if_nonfinite: bool, foreach, sharded: list = ()) -> torch.Tensor:
+    """:func:`clip_grad_norm_` on ``params`` (those with a gradient) and the shards of the
+    ``sharded`` reducers, ``p_norm`` checked."""
     dense, experts = [], []
     for q in params:
         (experts if is_expert_parallel(q) else dense).append(q)
@@ -97,17 +103,20 @@ def _clip(params: list[torch.Tensor], max_norm: float, p_norm: float, norm_type,
     for q in experts:
         g = expert_group(q)
         groups.setdefault(id(g), (g, []))[1].append(q)
-    device = params[0].grad.device
+    device = params[0].grad.device if params else sharded[0].device
     # the dense gradients' norm from the reducers' epilogue when it describes them exactly
     # (norm 2, whole buckets, unchanged since backward): no pass over them
     fast = cover(dense) if p_norm == 2.0 and dense else None
     # no expert-parallel parameter: the total as torch forms it, to the bit
-    total = fast.norm_of(dense) if fast is not None and not groups else None
+    total = fast.norm_of(dense) if fast is not None and not groups and not sharded else None
     if total is None:
         partials = [fast.norm().square() if fast is not None
                     else _partial(dense, p_norm, foreach, device)]
         partials += [_group_partial(_partial(qs, p_norm, foreach, device), g)
                      for g, qs in groups.values()]
+        # each rank's slices of a sharded reducer's buckets, gathered in rank order
+        partials += [_group_partial(_shards_partial(bw, p_norm, device), bw.guard.group)
+                     for bw in sharded]
         total = _combine(partials, p_norm)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -118,9 +127,24 @@ def _clip(params: list[torch.Tensor], max_norm: float, p_norm: float, norm_type,
         fast.clip_with_norm_(max_norm, total)  # dense: one op per bucket
         if experts:
             torch.nn.utils.clip_grads_with_norm_(experts, max_norm, total, foreach=foreach)
-    else:
+    elif params:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    if sharded:  # torch's factor, on the slices
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in (g for bw in sharded for g in bw.shard_grads.shards if g is not None):
+            g.mul_(coef.to(g.dtype))
     return total
+
+
+def _shards_partial(bw, p_norm: float, device) -> torch.Tensor:
+    """``sum |g|^p`` (``max |g|`` for inf) over this rank's gradient slices of a sharded
+    reducer (their padding is zero: it adds nothing), an fp32 scalar."""
+    norms = [torch.linalg.vector_norm(g, p_norm, dtype=torch.float32)
+             for g in bw.shard_grads.shards if g is not None]
+    if not norms:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms_N = torch.stack(norms)
+    return norms_N.max() if math.isinf(p_norm) else norms_N.pow(p_norm).sum()
 
 
 def _partial(params: list[torch.Tensor], p_norm: float, foreach, device) -> torch.Tensor:

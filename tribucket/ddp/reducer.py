@@ -135,9 +135,12 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         self._forward.frozen = view.frozen
         self._attach()
         #: reducers averaging expert replicas over their replica groups (expert x data
-        #: parallelism), one per replica group, built with this reducer's options
+        #: parallelism), one per replica group, built with this reducer's options; never
+        #: sharded: a ShardedOptimizer steps only this reducer's parameters, the experts'
+        #: torch optimizer needs their averages in .grad
         self.expert_reducers: list[Reducer] = [] if _only is not None else [
-            Reducer(module, group, config=replace(config, broadcast_buffers=False), _only=params)
+            Reducer(module, group, config=replace(config, broadcast_buffers=False,
+                                                  shard_optimizer=False), _only=params)
             for group, params in expert_replica_sets(module, config.ignore_parameters)]
 
     # ------------------------------------------------------------------ set-up
