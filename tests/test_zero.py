@@ -719,3 +719,39 @@ def test_a_dcp_checkpoint_resumes_bit_for_bit(dist_run, tmp_path):
                                       timeout=60):
         assert untouched, "get_state_dict's zero-lr step moved the parameters"
         assert differ == [], differ
+
+
+def _stall_before_the_step(what: str, timeout_s: float = 2.0):
+    """timeout= bounds the ShardedOptimizer's collectives as it bounds the reducer's: rank 1
+    stalls before ``step()`` (or ``clip_grad_norm_``); rank 0 must raise within the timeout,
+    naming the operation, not wait for it."""
+    import datetime
+    import time
+    from _dist import stall_until_the_others_return
+    rank = dist.get_rank()
+    model = _build(0)
+    woke = None
+    try:
+        with tribucket.fused_bucketing(model, shard_optimizer=True, bucket_cap_mb=CAP,
+                                       timeout=datetime.timedelta(seconds=timeout_s)) as red:
+            opt = ShardedOptimizer(red, torch.optim.SGD, lr=0.1)
+            model(_batch(rank, 0)).square().mean().backward()
+            if rank == 1:
+                stall_until_the_others_return(timeout_s * 4)
+                woke = time.monotonic()
+            if what == "clip":
+                opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.wait_parameters()
+    except RuntimeError as e:
+        return str(e), time.monotonic(), woke
+    return None, time.monotonic(), woke
+
+
+@pytest.mark.parametrize("what", ["step", "clip"])
+def test_a_stalled_peer_at_the_step_is_bounded_by_timeout(dist_run, what):
+    (message, raised_at, _), (_, _, woke) = dist_run(_stall_before_the_step, what,
+                                                      world_size=2, timeout=60)
+    assert message is not None and "ShardedOptimizer" in message, message
+    assert "timed out" in message and "did not complete" in message, message
+    assert raised_at < woke, "rank 0 waited for the stalled rank"

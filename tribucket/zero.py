@@ -35,6 +35,7 @@ from ._shard import all_gather_single
 from . import _exit
 from .ddp import optsteps
 from .ddp.hookcall import HookRef
+from .ddp.watchdog import _first_line
 
 __all__ = ["ShardedOptimizer", "ELEMENTWISE_OPTIMIZERS", "merge_sharded_state_dicts"]
 
@@ -214,7 +215,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         _agree_across_ranks(reducer, optimizer_class, params, assume_elementwise,
                             overlap_param_gather, defaults)
         self.reducer = reducer
-        self._group = reducer.process_group
+        # the reducer's group: with timeout= it is the one created with that timeout, so
+        # the optimizer's collectives are bounded as the reducer's are (_bounded)
+        self._guard = reducer._guard
+        self._group = reducer._guard.group
         self._world, self._rank = reducer.world_size, reducer.rank
         module = reducer.module
         groups = _normalize_groups(module.parameters() if params is None else params)
@@ -316,7 +320,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for b in buckets:
             work, self._gathers[b] = self._gathers[b], None
             if work is not None:
-                work.wait()
+                self._bounded(work.wait, f"all-gather of bucket {b}'s parameters")
+
+    def _bounded(self, fn, what: str):
+        """``fn()``: one of this optimizer's collectives or its wait. A failure (the group's
+        timeout passed, a peer died) says which, and what to do; the group is dead then."""
+        try:
+            return fn()
+        except Exception as e:
+            self._guard.failed = True
+            self._gathers = [None] * len(self._gathers)  # nothing more to wait for
+            cause = _first_line(e)
+            timeout = self._guard.timeout
+            if timeout is not None and ("timeout" in cause.lower()
+                                        or "timed out" in cause.lower()):
+                cause = f"timed out after {timeout} ({cause})"
+            raise RuntimeError(
+                f"tribucket (rank {self._rank}): the ShardedOptimizer's {what} did not "
+                f"complete: {cause}. A peer did not join it: it died, or stalls before the "
+                "same call (opt.step(), opt.clip_grad_norm_(), opt.state_dict() are called on "
+                "every rank). The process group cannot be used any more; end the job "
+                "(torchrun restarts it) and resume from a checkpoint.") from e
 
     def _settle_at_exit(self) -> None:
         self.wait_parameters()
@@ -503,7 +527,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 else local + n ** norm_type
         if self._world > 1:
             op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-            dist.all_reduce(local, op=op, group=self._group)
+            self._bounded(lambda: dist.all_reduce(local, op=op, group=self._group),
+                          "clip_grad_norm_ all-reduce")
         total = local if norm_type == float("inf") else local ** (1.0 / norm_type)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
@@ -566,7 +591,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local = _to_cpu(self.sharded_state_dict())
         every: list = [None] * self._world
         if self._world > 1:
-            dist.all_gather_object(every, local, group=self._group)
+            self._bounded(lambda: dist.all_gather_object(every, local, group=self._group),
+                          "state_dict all-gather")
         else:
             every = [local]
         state = merge_sharded_state_dicts(every)
