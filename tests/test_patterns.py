@@ -6,6 +6,7 @@ forwards before one backward."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -451,3 +452,51 @@ def _require_backward_grad_sync():
 
 def test_require_backward_grad_sync_accumulates_as_ddp(dist_run):
     assert all(dist_run(_require_backward_grad_sync, world_size=2))
+
+
+# ------------------------------------------------- patterns of the models users bring
+class _WeightNormed(nn.Module):
+    """A weight-norm parametrization (its two tensors are the parameters) and two heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.utils.parametrizations.weight_norm(nn.Linear(8, 8))
+        self.b = nn.Linear(8, 4)
+        self.c = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h), self.c(h)
+
+
+def _train_weight_normed(kind: str, variant: str) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _WeightNormed()
+    if variant == "tensor_hook":  # a hook of the user's on a parameter's gradient
+        model.b.weight.register_hook(lambda g: g * 3)
+    ctx = tribucket.fused_bucketing(model) if kind == "tribucket" else contextlib.nullcontext()
+    with ctx:
+        run = model if kind == "tribucket" else DDP(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(rank * 10 + step))
+            o1, o2 = run(x)
+            if variant == "two_losses":  # torch.autograd.backward over several roots
+                torch.autograd.backward([o1.square().mean(), o2.abs().mean()])
+            else:
+                (o1.square().mean() + o2.abs().mean()).backward()
+            opt.step()
+            opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _weight_normed_both(variant: str) -> list[str]:
+    mine, theirs = _train_weight_normed("tribucket", variant), _train_weight_normed("ddp", variant)
+    return [n for n in theirs if not torch.allclose(mine[n], theirs[n], rtol=1e-5, atol=1e-6)]
+
+
+@pytest.mark.parametrize("variant", ["plain", "two_losses", "tensor_hook"])
+def test_weight_norm_several_losses_and_tensor_hooks_train_as_with_ddp(dist_run, variant):
+    for differ in dist_run(_weight_normed_both, variant, world_size=2, timeout=60):
+        assert differ == [], differ
