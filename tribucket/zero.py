@@ -184,9 +184,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             reducer._before_close.append(weakref.WeakMethod(self._release))
 
     def _init_optimizer_interface(self) -> None:
-        """What ``torch.optim.Optimizer.__init__`` sets, but the groups: they are the wrapped
-        optimizer's (its ``__init__`` would build groups of its own through
-        ``add_param_group``, which is refused here)."""
+        """What ``torch.optim.Optimizer.__init__`` sets, but ``param_groups`` (built above),
+        ``state`` and ``defaults`` (the wrapped optimizer's): its ``__init__`` would build
+        them through ``add_param_group``, which is refused here."""
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                      "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                      "_optimizer_load_state_dict_pre_hooks",
