@@ -312,7 +312,7 @@ def test_aux_losses_of_a_forward_without_autograd_are_refused_for_training():
     from torch.utils.checkpoint import checkpoint
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(D, D), MoELayer([_ffn(e) for e in range(2)], 2, D))
-    x = torch.randn(5, D)
+    x = torch.randn(5, D, requires_grad=True)  # (the reentrant checkpoint needs one)
     checkpoint(model, x, use_reentrant=True).sum()
     with pytest.raises(RuntimeError, match="use_reentrant=False"):
         aux_losses(model)
