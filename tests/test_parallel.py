@@ -107,7 +107,8 @@ def _nanogpt_vs_ddp(compiled: bool):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_nanogpt_loop_ends_with_ddp_parameters(dist_run, compiled):
-    results = dist_run(_nanogpt_vs_ddp, compiled, timeout=300)
+    # (compiled: its workers are not reused; see test_torch_compile_gpt2_like_eager_ddp)
+    results = dist_run(_nanogpt_vs_ddp, compiled, timeout=300, teardown=compiled)
     for a, b in zip(results[0][0], results[1][0]):
         assert torch.equal(a, b), "the ranks' parameters differ"
     # accumulation held the micro-batches back: a different loop would give other norms
