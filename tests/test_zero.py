@@ -755,3 +755,49 @@ def test_a_stalled_peer_at_the_step_is_bounded_by_timeout(dist_run, what):
     assert message is not None and "ShardedOptimizer" in message, message
     assert "timed out" in message and "did not complete" in message, message
     assert raised_at < woke, "rank 0 waited for the stalled rank"
+
+
+def _named_parameters():
+    """torch's optimizers take ``model.named_parameters()`` (and named param groups); so does
+    ShardedOptimizer: same steps as DDP + AdamW over the same named groups, and the same
+    ``param_names`` in ``param_groups`` and in the gathered state."""
+    rank = dist.get_rank()
+    mine, theirs = _build(rank), _build(rank)
+    ddp = DDP(theirs)
+
+    def named_groups(model):
+        w = [(n, p) for n, p in model.named_parameters() if n.endswith("weight")]
+        b = [(n, p) for n, p in model.named_parameters() if n.endswith("bias")]
+        return [dict(params=w, weight_decay=0.1), dict(params=b, weight_decay=0.0, lr=2e-2)]
+
+    out = {}
+    with tribucket.fused_bucketing(mine, shard_optimizer=True, bucket_cap_mb=CAP) as reducer:
+        flat = ShardedOptimizer(reducer, torch.optim.AdamW, mine.named_parameters(), lr=1e-2)
+        out["flat_names"] = flat.param_groups[0]["param_names"]
+        opt = ShardedOptimizer(reducer, torch.optim.AdamW, named_groups(mine), lr=1e-2,
+                               overlap_param_gather=False)
+        ref = torch.optim.AdamW(named_groups(theirs), lr=1e-2)
+        for step in range(3):
+            x = _batch(rank, step)
+            mine(x).square().mean().backward()
+            ddp(x).square().mean().backward()
+            _step_both(opt, ref, mine, theirs, FP32, step)
+        state, ref_state = opt.state_dict(), ref.state_dict()
+        out["groups_equal"] = state["param_groups"] == ref_state["param_groups"]
+        out["names"] = [g["param_names"] for g in opt.param_groups]
+        opt.load_state_dict(ref_state)  # torch's named state loads back
+        out["reloaded_equal"] = opt.state_dict()["param_groups"] == ref_state["param_groups"]
+        try:
+            ShardedOptimizer(reducer, torch.optim.SGD,
+                             [("inp.weight", mine.inp.weight), mine.inp.bias], lr=0.1)
+        except TypeError as e:
+            out["mixed"] = str(e)
+    return out
+
+
+def test_named_parameters_as_torch_optimizers_take_them(dist_run):
+    for out in dist_run(_named_parameters, world_size=2, timeout=60):
+        assert out["flat_names"][:2] == ["inp.weight", "inp.bias"], out
+        assert out["names"][0][0] == "inp.weight" and out["names"][1][0] == "inp.bias", out
+        assert out["groups_equal"] and out["reloaded_equal"], out
+        assert "named" in out["mixed"], out

@@ -100,8 +100,22 @@ def _normalize_groups(params: Any) -> list[dict]:
                 raise ValueError(f"param group {k} has no 'params' entry")
             ps = g["params"]
             ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-            groups.append({**g, "params": ps})
+            groups.append(_named({**g, "params": ps}, k))
         return groups
     if any(isinstance(g, dict) for g in items):
         raise TypeError("params mixes parameters and param-group dicts; pass one kind")
-    return [{"params": items}]
+    return [_named({"params": items}, 0)]
+
+
+def _named(group: dict, k: int) -> dict:
+    """torch's named form (``model.named_parameters()``): ``(name, parameter)`` pairs become
+    ``params`` and ``param_names``."""
+    ps = group["params"]
+    named = [isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in ps]
+    if not any(named):
+        return group
+    if not all(named):
+        raise TypeError(f"param group {k} mixes named (name, parameter) pairs and bare "
+                        "parameters; pass model.named_parameters() or model.parameters() "
+                        "forms, not both")
+    return {**group, "param_names": [n for n, _ in ps], "params": [p for _, p in ps]}

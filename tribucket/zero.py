@@ -168,13 +168,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if not tensors:  # no slice of this group here: torch rejects empty groups
                 tensors = [torch.empty(0, device=reducer.device)]
                 self._inner.append(None)
-            inner_groups.append({**{k: v for k, v in group.items() if k != "params"},
-                                 "params": tensors})
+            inner_groups.append({**_options(group), "params": tensors})
         self.optim = optimizer_class(inner_groups, **defaults)
         # torch's view (``param_groups``): per original group its parameters and the wrapped
         # group's options; schedulers write the options here, step() hands them on
-        self._groups = [{**_options(inner), "params": [self._user_params[u] for u in users]}
-                        for inner, users in zip(self.optim.param_groups, self._user_groups)]
+        self._groups = [{**_options(inner), **_names(group),
+                         "params": [self._user_params[u] for u in users]}
+                        for inner, group, users in zip(self.optim.param_groups, groups,
+                                                       self._user_groups)]
         self._init_optimizer_interface()
         self._gathers: list = [None] * len(self._flat)  # per bucket: all-gather in flight
         self._overlap = bool(overlap_param_gather)
@@ -503,6 +504,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             every = [local]
         state = merge_sharded_state_dicts(every)
+        for saved, mine in zip(state["param_groups"], self._groups):
+            saved.update(_names(mine))  # as torch's state of named parameters has them
         for post in self._optimizer_state_dict_post_hooks.values():
             state = _hooked(post(self, state), state)
         return state
@@ -552,8 +555,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         inner_groups, k = [], 0
         for saved, group in zip(saved_groups, self.optim.param_groups):
             n = len(group["params"])
-            inner_groups.append({**{a: b for a, b in saved.items() if a != "params"},
-                                 "params": list(range(k, k + n))})
+            inner_groups.append({**_options(saved), "params": list(range(k, k + n))})
             k += n
         self.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
         self._options_up()
@@ -562,8 +564,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 def _options(group: dict) -> dict:
-    """A param group's options (everything but its parameters)."""
-    return {k: v for k, v in group.items() if k != "params"}
+    """A param group's options: everything but its parameters and their names (the shard
+    groups hold slices, which have none)."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _names(group: dict) -> dict:
+    """The group's ``param_names`` entry, if it was given named parameters."""
+    return {"param_names": list(group["param_names"])} if "param_names" in group else {}
 
 
 def _hooked(out: Any, state: dict) -> dict:
