@@ -15,6 +15,7 @@ tensor 1 then 55 padding elements.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -93,3 +94,20 @@ def shard_buckets(layout: BucketLayout, world: int, rank: int,
         out.append(BucketShard(b, bucket.numel, s, rank, world, bucket.dtype, tuple(pieces)))
     return out
 
+
+def slices_partial(grads: list[torch.Tensor], norm_type: float,
+                   device: torch.device) -> torch.Tensor:
+    """``sum |g|^p`` (``max |g|`` for ``p = inf``) over this rank's gradient slices, an fp32
+    scalar; their padding is zero, so it adds nothing."""
+    local = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        n = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+        local = torch.maximum(local, n) if math.isinf(norm_type) else local + n ** norm_type
+    return local
+
+
+def clip_slices_(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scale the slices by torch's clip factor ``min(1, max_norm / (total + 1e-6))``."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))

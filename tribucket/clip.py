@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._epilogue import cover
+from ._shard import clip_slices_, slices_partial
 from ._tags import expert_group, is_expert_parallel
 from .ddp import optsteps
 from .trace.tracer import span_if_tracing
@@ -115,8 +116,8 @@ def _clip(params: list[torch.Tensor], max_norm: float, p_norm: float, norm_type,
         partials += [_group_partial(_partial(qs, p_norm, foreach, device), g)
                      for g, qs in groups.values()]
         # each rank's slices of a sharded reducer's buckets, gathered in rank order
-        partials += [_group_partial(_shards_partial(bw, p_norm, device), bw.guard.group)
-                     for bw in sharded]
+        partials += [_group_partial(slices_partial(_slices(bw), p_norm, device),
+                                    bw.guard.group) for bw in sharded]
         total = _combine(partials, p_norm)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -129,22 +130,14 @@ def _clip(params: list[torch.Tensor], max_norm: float, p_norm: float, norm_type,
             torch.nn.utils.clip_grads_with_norm_(experts, max_norm, total, foreach=foreach)
     elif params:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
-    if sharded:  # torch's factor, on the slices
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in (g for bw in sharded for g in bw.shard_grads.shards if g is not None):
-            g.mul_(coef.to(g.dtype))
+    if sharded:
+        clip_slices_([g for bw in sharded for g in _slices(bw)], max_norm, total)
     return total
 
 
-def _shards_partial(bw, p_norm: float, device) -> torch.Tensor:
-    """``sum |g|^p`` (``max |g|`` for inf) over this rank's gradient slices of a sharded
-    reducer (their padding is zero: it adds nothing), an fp32 scalar."""
-    norms = [torch.linalg.vector_norm(g, p_norm, dtype=torch.float32)
-             for g in bw.shard_grads.shards if g is not None]
-    if not norms:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms_N = torch.stack(norms)
-    return norms_N.max() if math.isinf(p_norm) else norms_N.pow(p_norm).sum()
+def _slices(bw) -> list[torch.Tensor]:
+    """This rank's gradient slices of a sharded reducer's buckets."""
+    return [g for g in bw.shard_grads.shards if g is not None]
 
 
 def _partial(params: list[torch.Tensor], p_norm: float, foreach, device) -> torch.Tensor:

@@ -31,11 +31,10 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ._shard import all_gather_single
+from ._shard import all_gather_single, clip_slices_, slices_partial
 from . import _exit
 from .ddp import optsteps
 from .ddp.hookcall import HookRef
-from .ddp.watchdog import _first_line
 from ._zero_checks import (ELEMENTWISE_OPTIMIZERS, _agree_across_ranks,  # noqa: F401
                            _check_optimizer_class, _normalize_groups, _refuse_loss_scaling,
                            loss_scaling_refused)
@@ -238,11 +237,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         except Exception as e:
             self._guard.failed = True
             self._gathers = [None] * len(self._gathers)  # nothing more to wait for
-            cause = _first_line(e)
-            timeout = self._guard.timeout
-            if timeout is not None and ("timeout" in cause.lower()
-                                        or "timed out" in cause.lower()):
-                cause = f"timed out after {timeout} ({cause})"
+            cause = self._guard.cause_of(e)
             raise RuntimeError(
                 f"tribucket (rank {self._rank}): the ShardedOptimizer's {what} did not "
                 f"complete: {cause}. A peer did not join it: it died, or stalls before the "
@@ -428,11 +423,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if norm_type <= 0:
             raise ValueError(f"norm_type must be positive or inf, got {norm_type!r}")
         grads = [g for g in self.reducer.grad_shards if g is not None]
-        local = torch.zeros((), dtype=torch.float32, device=self.reducer.device)
-        for g in grads:  # the padding of the shards is zero: it adds nothing
-            n = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
-            local = torch.maximum(local, n) if norm_type == float("inf") \
-                else local + n ** norm_type
+        local = slices_partial(grads, norm_type, self.reducer.device)
         if self._world > 1:
             op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
             self._bounded(lambda: dist.all_reduce(local, op=op, group=self._group),
@@ -442,9 +433,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                                f"{total.item()}; pass error_if_nonfinite=False to skip this "
                                "check")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        clip_slices_(grads, max_norm, total)
         return total
 
     # ------------------------------------------------------------------ checkpoints

@@ -230,11 +230,15 @@ class CommGuard:
             return fn()
         except Exception as e:
             self.failed = True
-            cause = _first_line(e)
-            if self.timeout is not None and ("timeout" in cause.lower()
-                                             or "timed out" in cause.lower()):
-                cause = f"timed out after {self.timeout} ({cause})"
-            raise self._failure(what, cause, iteration) from e
+            raise self._failure(what, self.cause_of(e), iteration) from e
+
+    def cause_of(self, e: BaseException) -> str:
+        """A failed collective's cause in one line, naming the timeout when it passed."""
+        cause = _first_line(e)
+        if self.timeout is not None and ("timeout" in cause.lower()
+                                         or "timed out" in cause.lower()):
+            cause = f"timed out after {self.timeout} ({cause})"
+        return cause
 
     def _failure(self, what: str, cause: str, iteration: int) -> RuntimeError:
         return RuntimeError(
