@@ -794,3 +794,42 @@ def test_activation_checkpointing_of_the_layer_trains_as_without(dist_run):
             for name in p0:
                 torch.testing.assert_close(p1[name], p0[name], rtol=1e-6, atol=1e-7,
                                            msg=lambda m: f"{case} {name}: {m}")
+
+
+def _bias_counts(pattern: str):
+    """The token-slots the routing bias counted over two accumulated micro-batches, run as
+    ``pattern`` says, and the same two micro-batches run plainly (one forward and backward
+    each), on the same layer weights: ``(counted, plain)``."""
+    from torch.utils.checkpoint import checkpoint
+    rank, W = dist.get_rank(), dist.get_world_size()
+
+    def run(how: str) -> list[int]:
+        torch.manual_seed(0)
+        layer = MoELayer([SwiGLUExpert(D, F) for _ in range(2)], 2 * W, D, top_k=2,
+                         bias_update_rate=0.01)
+        for micro in range(2):
+            x, _ = _tokens(micro, rank, 7 + 2 * rank + 3 * micro)
+            x.requires_grad_(True)
+            if how == "no_grad forward" and micro == 1:
+                with torch.no_grad():  # a training-mode forward that nothing trains on
+                    layer(x)
+            if how == "checkpoint first" and micro == 0:
+                y = checkpoint(layer, x, use_reentrant=False)  # runs again in backward
+            elif how == "reentrant":  # its first pass runs without autograd
+                y = checkpoint(layer, x, use_reentrant=True)
+            else:
+                y = layer(x)
+            y.square().mean().backward()
+        return list(layer._load.counts)
+
+    return run(pattern), run("plain")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("pattern", ["checkpoint first", "reentrant", "no_grad forward"])
+def test_the_routing_bias_counts_each_trained_micro_batch_once(dist_run, pattern):
+    # an activation checkpoint of some micro-batches only must not weigh them twice, and a
+    # forward without autograd (an EMA target, a look at the routing) trains nothing
+    for counted, plain in dist_run(_bias_counts, pattern, world_size=2, timeout=60):
+        assert sum(plain) > 0
+        assert counted == plain, (pattern, counted, plain)

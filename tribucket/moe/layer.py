@@ -30,7 +30,7 @@ from ._checks import (broadcast_from_first_rank, check_ranks_agree, check_replic
 from ._guard import MoEGuard, _is_comm_failure, trace_backward
 from .dispatcher import DispatchMeta, MoEDispatcher, _route, expert_capacity
 from .experts import GroupedExperts
-from .routing import SCORE_FUNCS, aux_loss, check_group_limits, route
+from .routing import SCORE_FUNCS, TrainedLoad, aux_loss, check_group_limits, route
 from .schedule import pipelined_experts
 from .shared import shared_forward, shared_list, shared_parameters
 from .shadow import ShadowCosts, resolve_shadow_policy
@@ -357,7 +357,7 @@ class MoELayer(nn.Module):
             num_experts, dtype=torch.float32, device=next(self.router.parameters()).device
             if next(self.router.parameters(), None) is not None else None))
         # [E] token-slots routed to each expert over the group since the last bias update
-        self._load_E: list[int] = [0] * num_experts
+        self._load = TrainedLoad(num_experts)
         for p in self.experts.parameters():
             mark_expert_parallel(p, group=group, replica_group=replica_group)
             if self.expert_grad_scale != 1.0:
@@ -418,13 +418,14 @@ class MoELayer(nn.Module):
         moves its bias alike. A no-op when ``bias_update_rate`` is None."""
         if self.bias_update_rate is None:
             return
-        load_E = torch.tensor(self._load_E, dtype=torch.float64, device=self.expert_bias.device)
+        load_E = torch.tensor(self._load.counts, dtype=torch.float64,
+                              device=self.expert_bias.device)
         if self.replica_group is not None and dist.get_world_size(self.replica_group) > 1:
             dist.all_reduce(load_E, group=self.replica_group)
         self._apply_bias_update(load_E)
 
     def _apply_bias_update(self, load_E: torch.Tensor) -> None:
-        self._load_E = [0] * self.num_experts
+        self._load.take()
         if not bool(load_E.sum()):  # no token routed since the last update: nothing to learn
             return
         step_E = torch.sign(load_E.mean() - load_E).to(torch.float32)
@@ -488,8 +489,7 @@ class MoELayer(nn.Module):
                          dedup=self._dedup)
         shadowed = self._decide_shadows(meta, x_TD.dtype)
         if balance:  # the group's routing, every rank alike (it rode on the counts exchange)
-            self._load_E = [a + sum(col) for a, col in
-                            zip(self._load_E, zip(*meta.global_counts_host))]
+            self._load.add([sum(col) for col in zip(*meta.global_counts_host)])
         self._guard.mark("dispatch")
         shared_TD = None
         if self.schedule == "alltoall" and not shadowed:

@@ -6,9 +6,13 @@ Shape legend: T tokens, E experts (global), K experts per token (top-k).
 
 from __future__ import annotations
 
+from collections import deque
+from typing import Sequence
+
 import torch
 
-__all__ = ["SCORE_FUNCS", "aux_loss", "check_group_limits", "limit_to_groups", "route"]
+__all__ = ["SCORE_FUNCS", "TrainedLoad", "aux_loss", "check_group_limits", "limit_to_groups",
+           "route"]
 
 #: how router logits become scores: softmax over experts, or a sigmoid per expert (DeepSeek-V3)
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -105,3 +109,48 @@ def aux_loss(logits_TE: torch.Tensor, probs_TE: torch.Tensor, counts_E: torch.Te
     if z_loss_coef:
         loss = loss + z_loss_coef * torch.logsumexp(logits_TE, dim=-1).square().mean()
     return loss
+
+
+class TrainedLoad:
+    """The token-slots routed to each expert by the forwards that train, since the last
+    routing-bias update: what aux-loss-free balancing learns from. Each forward counts once:
+
+    - a training-mode forward with autograd counts;
+    - one without autograd does not (an EMA target, a look at the routing, the first pass of
+      a reentrant activation checkpoint);
+    - a forward run again inside backward (an activation checkpoint's recompute) counts only
+      when its first pass did not: a non-reentrant checkpoint repeats a counted pass, a
+      reentrant one the pass without autograd. A recompute routes exactly as its first pass
+      (same input, weights and bias), so the first pass's counts identify it.
+
+    ``counts`` is a plain list (read by the bias update); the same on every rank of the group
+    when fed the group's counts.
+    """
+
+    #: counted passes remembered for their recompute; a checkpoint's recompute comes in the
+    #: backward of its own micro-batch, long before this many forwards have run
+    REMEMBERED = 128
+
+    def __init__(self, num_experts: int):
+        self.counts: list[int] = [0] * num_experts
+        self._counted: deque[tuple[int, ...]] = deque(maxlen=self.REMEMBERED)
+
+    def add(self, counts_E: Sequence[int]) -> None:
+        """Count one training-mode forward's ``counts_E`` (token-slots per expert) if it trains
+        and was not counted before."""
+        key = tuple(counts_E)
+        if torch._C._current_graph_task_id() != -1:  # run again inside backward
+            if key in self._counted:
+                self._counted.remove(key)  # its first pass counted
+                return
+        elif not torch.is_grad_enabled():
+            return
+        else:
+            self._counted.append(key)
+        self.counts = [a + c for a, c in zip(self.counts, key)]
+
+    def take(self) -> list[int]:
+        """The counts so far; the count restarts."""
+        counts, self.counts = self.counts, [0] * len(self.counts)
+        self._counted.clear()
+        return counts
