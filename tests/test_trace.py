@@ -262,6 +262,26 @@ def test_cli_rejects_a_malformed_trace(tmp_path, capsys):
     assert "missing ['dur', 'tid']" in capsys.readouterr().err
 
 
+def test_cli_says_when_a_trace_has_nothing_to_show(tmp_path, capsys):
+    # a run closed before its first traced step: no table of zeros, no empty picture
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "rank 0"}}]}))
+    assert cli_main([str(empty)]) == 1
+    out, err = capsys.readouterr()
+    assert "holds no spans" in err and "0.000 ms" not in out
+    assert not (tmp_path / "empty.png").exists()
+    # spans but no bucket (forwards only, as an evaluation run): the timeline, and why no table
+    forward = tmp_path / "forward.json"
+    forward.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "name": "moe0.dispatch", "ts": 0.0, "dur": 5.0, "pid": 0, "tid": 0,
+         "args": {"step": 0}}]}))
+    assert cli_main([str(forward)]) == 0
+    out = capsys.readouterr().out
+    assert "no bucket spans" in out and "0.000 ms" not in out, out
+    assert (tmp_path / "forward.png").read_bytes()[:4] == b"\x89PNG"
+
+
 # ------------------------------------------------------------------ one process
 def test_make_tracer_choices(tmp_path, monkeypatch):
     monkeypatch.delenv(trace.ENV, raising=False)

@@ -33,8 +33,17 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"tribucket.trace: cannot read {a.path}: {e}", file=sys.stderr)
         return 2
+    if not any(ev.get("ph") in ("X", "i") for ev in trace["traceEvents"]):
+        print(f"tribucket.trace: {a.path} holds no spans: the run ended before its first "
+              f"traced forward or backward", file=sys.stderr)
+        return 1
     print(f"tribucket trace {a.path}")
-    print(format_table(summarize(trace, per_rank=a.per_rank), per_rank=a.per_rank))
+    summary = summarize(trace, per_rank=a.per_rank)
+    if summary.rows:
+        print(format_table(summary, per_rank=a.per_rank))
+    else:
+        print(f"no bucket spans in {len(summary.ranks)} rank(s), {summary.steps} step(s): no "
+              f"backward ran through a reducer (forwards only); the timeline shows the rest")
     if a.no_png:
         return 0
     out = a.png or os.path.splitext(a.path)[0] + ".png"
