@@ -755,6 +755,10 @@ def test_a_stalled_peer_at_the_step_is_bounded_by_timeout(dist_run, what):
     assert message is not None and "ShardedOptimizer" in message, message
     assert "timed out" in message and "did not complete" in message, message
     assert raised_at < woke, "rank 0 waited for the stalled rank"
+    # the stalled rank named, and where each rank is: rank 1 never got past backward
+    call = "opt.clip_grad_norm_()" if what == "clip" else "opt.step()"
+    assert f"This rank entered ShardedOptimizer call 1 ({call})" in message, message
+    assert "behind it: rank 1 (entered no ShardedOptimizer call yet)" in message, message
 
 
 def _named_parameters():

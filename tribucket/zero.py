@@ -238,12 +238,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._guard.failed = True
             self._gathers = [None] * len(self._gathers)  # nothing more to wait for
             cause = self._guard.cause_of(e)
+            who = (self._guard.who_missed_call("ShardedOptimizer") or
+                   " A peer did not join it: it died, or stalls before the same call "
+                   "(opt.step(), opt.clip_grad_norm_(), opt.state_dict() are called on every "
+                   "rank).")
             raise RuntimeError(
                 f"tribucket (rank {self._rank}): the ShardedOptimizer's {what} did not "
-                f"complete: {cause}. A peer did not join it: it died, or stalls before the "
-                "same call (opt.step(), opt.clip_grad_norm_(), opt.state_dict() are called on "
-                "every rank). The process group cannot be used any more; end the job "
-                "(torchrun restarts it) and resume from a checkpoint.") from e
+                f"complete: {cause}.{who} The process group cannot be used any more; end the "
+                "job (torchrun restarts it) and resume from a checkpoint.") from e
 
     def _settle_at_exit(self) -> None:
         self.wait_parameters()
@@ -347,6 +349,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Step this rank's shards, then all-gather the parameters (one collective per
         bucket). Call on every rank."""
         _refuse_loss_scaling(self)
+        self._guard.mark_call("opt.step()")
         self.wait_parameters()  # a step before the next forward: the last gathers are done
         tr = self.reducer._comm.tracer
         rec = tr.begin("optimizer.step") if tr is not None else None
@@ -425,6 +428,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         grads = [g for g in self.reducer.grad_shards if g is not None]
         local = slices_partial(grads, norm_type, self.reducer.device)
         if self._world > 1:
+            self._guard.mark_call("opt.clip_grad_norm_()")
             op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
             self._bounded(lambda: dist.all_reduce(local, op=op, group=self._group),
                           "clip_grad_norm_ all-reduce")
@@ -488,6 +492,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local = _to_cpu(self.sharded_state_dict())
         every: list = [None] * self._world
         if self._world > 1:
+            self._guard.mark_call("opt.state_dict()")
             self._bounded(lambda: dist.all_gather_object(every, local, group=self._group),
                           "state_dict all-gather")
         else:

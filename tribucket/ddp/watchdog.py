@@ -174,6 +174,52 @@ class CommGuard:
         except Exception:  # the store is gone (rank 0 died): diagnosis will say so
             pass
 
+    def mark_call(self, name: str) -> None:
+        """Record in the rendezvous store that this rank entered its next collective call
+        outside backward (``name``: ``opt.step()``, ...), numbered from 1, so a failure in
+        one can name the ranks that never entered it (:meth:`who_missed_call`)."""
+        if self._store is None:
+            return
+        self._calls = getattr(self, "_calls", 0) + 1
+        self._call_name = name
+        try:
+            with _quiet_store_errors():
+                self._store.set(f"tribucket/{self.seq}/call/{self._global[self.rank]}",
+                                f"{self._calls} {name}")
+        except Exception:
+            pass
+
+    def who_missed_call(self, owner: str) -> str:
+        """Which ranks have not entered this rank's last :meth:`mark_call` call (``owner``:
+        whose calls they are, for the message); "" without the store (no ``timeout=``)."""
+        if self._store is None or not getattr(self, "_calls", 0):
+            return ""
+
+        def entered(text: str | None) -> str:
+            if text is None:
+                return f"entered no {owner} call yet"
+            n, name = text.split(" ", 1)
+            return f"last entered call {n} ({name})"
+
+        try:
+            behind = []
+            with _quiet_store_errors():
+                for r in range(self.world_size):
+                    key = f"tribucket/{self.seq}/call/{self._global[r]}"
+                    if r == self.rank:
+                        continue
+                    seen = (self._store.get(key).decode() if self._store.check([key])
+                            else None)
+                    if seen is None or int(seen.split(" ", 1)[0]) < self._calls:
+                        behind.append(f"rank {self._global[r]} ({entered(seen)})")
+        except Exception:
+            return " The rendezvous store is unreachable too: rank 0 (which hosts it) may be dead."
+        where = f" This rank entered {owner} call {self._calls} ({self._call_name})"
+        if behind:
+            return (f"{where}; behind it: {', '.join(behind)}: it is late, stalled, crashed, "
+                    "or left the training loop.")
+        return f"{where}, and so did every rank: a rank failed inside it."
+
     def report_own_failure(self, text: str) -> None:
         """Leave in the rendezvous store that this rank failed in its own code (``text``: the
         short cause), so the peers' reports name it instead of guessing."""
