@@ -295,7 +295,7 @@ def test_timeout_bounds_every_hook(dist_run, kind):
 
 
 # ------------------------------------------------------------ 13. failure reports
-def _stall_mid_backward(timeout_s=2.0):
+def _stall_mid_backward(debug=False, timeout_s=2.0):
     import time
 
     rank = dist.get_rank()
@@ -307,7 +307,7 @@ def _stall_mid_backward(timeout_s=2.0):
         woke.append(time.monotonic())
         return g
     try:
-        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
+        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, debug=debug,
                                        timeout=datetime.timedelta(seconds=timeout_s)):
             for step in range(4):
                 handle = (model.layers[2].weight.register_hook(stall)
@@ -320,11 +320,18 @@ def _stall_mid_backward(timeout_s=2.0):
     return None, time.monotonic(), woke
 
 
-def test_stall_mid_backward_names_the_rank(dist_run):
-    results = dist_run(_stall_mid_backward, world_size=2, timeout=60)
+@pytest.mark.parametrize("debug", [False, True])
+def test_stall_mid_backward_names_the_rank(dist_run, debug):
+    # debug=True: rank 0 meets the stall in a fingerprint's all-gather, in the middle of a
+    # backward both ranks started: the fingerprints' own marks name the rank behind
+    results = dist_run(_stall_mid_backward, debug, world_size=2, timeout=60)
     message, raised_at, _ = results[0]
     assert message is not None and "did not complete" in message, message
-    assert "rank 1" in message and "not finished" in message, message
+    if debug:
+        assert "behind it: rank 1 (last entered the reducer's collective" in message, message
+        assert "(bucket " in message and "Every rank reached" not in message, message
+    else:
+        assert "rank 1" in message and "not finished" in message, message
     assert raised_at < results[1][2][0], (raised_at, results[1])  # while rank 1 still slept
 
 

@@ -238,7 +238,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._guard.failed = True
             self._gathers = [None] * len(self._gathers)  # nothing more to wait for
             cause = self._guard.cause_of(e)
-            who = (self._guard.who_missed_call("ShardedOptimizer") or
+            who = (self._guard.who_missed_call() or
                    " A peer did not join it: it died, or stalls before the same call "
                    "(opt.step(), opt.clip_grad_norm_(), opt.state_dict() are called on every "
                    "rank).")

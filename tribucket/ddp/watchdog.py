@@ -97,6 +97,9 @@ def _is_store_trace(line: str) -> bool:
             or "TCPStore.cpp" in line or not line.strip())
 
 
+#: what debug fingerprints count (CommGuard.mark_call): each precedes one reducer collective
+_COLLECTIVE = "the reducer's collective"
+
 # Reducers are created in the same order on every rank, so this names them consistently.
 _REDUCER_SEQ = itertools.count()
 
@@ -148,6 +151,7 @@ class CommGuard:
                                              backend=dist.get_backend(process_group),
                                              use_local_synchronization=True, timeout=timeout)
         self._store = None
+        self._calls: dict[str, tuple[int, str]] = {}  # owner -> (calls entered, the last)
         if timeout is not None and world_size > 1:
             try:
                 self._store = dist.distributed_c10d._get_default_store()
@@ -174,47 +178,50 @@ class CommGuard:
         except Exception:  # the store is gone (rank 0 died): diagnosis will say so
             pass
 
-    def mark_call(self, name: str) -> None:
-        """Record in the rendezvous store that this rank entered its next collective call
-        outside backward (``name``: ``opt.step()``, ...), numbered from 1, so a failure in
-        one can name the ranks that never entered it (:meth:`who_missed_call`)."""
+    def mark_call(self, name: str, owner: str = "ShardedOptimizer call") -> None:
+        """Record in the rendezvous store that this rank entered its next call of ``owner``
+        (numbered from 1; ``name``: which, as ``opt.step()``), so that a failure in one can
+        name the ranks that never entered it (:meth:`who_missed_call`)."""
         if self._store is None:
             return
-        self._calls = getattr(self, "_calls", 0) + 1
-        self._call_name = name
+        n = self._calls.get(owner, (0, ""))[0] + 1
+        self._calls[owner] = (n, name)
         try:
             with _quiet_store_errors():
-                self._store.set(f"tribucket/{self.seq}/call/{self._global[self.rank]}",
-                                f"{self._calls} {name}")
+                self._store.set(self._call_key(owner, self.rank), f"{n} {name}")
         except Exception:
             pass
 
-    def who_missed_call(self, owner: str) -> str:
-        """Which ranks have not entered this rank's last :meth:`mark_call` call (``owner``:
-        whose calls they are, for the message); "" without the store (no ``timeout=``)."""
-        if self._store is None or not getattr(self, "_calls", 0):
+    def _call_key(self, owner: str, rank: int) -> str:
+        return f"tribucket/{self.seq}/call/{owner}/{self._global[rank]}"
+
+    def who_missed_call(self, owner: str = "ShardedOptimizer call") -> str:
+        """Which ranks have not entered this rank's last call of ``owner``
+        (:meth:`mark_call`); "" without the store (no ``timeout=``) or such a call."""
+        if self._store is None or owner not in self._calls:
             return ""
+        mine, name = self._calls[owner]
 
         def entered(text: str | None) -> str:
             if text is None:
-                return f"entered no {owner} call yet"
-            n, name = text.split(" ", 1)
-            return f"last entered call {n} ({name})"
+                return f"entered no {owner} yet"
+            n, what = text.split(" ", 1)
+            return f"last entered {owner} {n} ({what})"
 
         try:
             behind = []
             with _quiet_store_errors():
                 for r in range(self.world_size):
-                    key = f"tribucket/{self.seq}/call/{self._global[r]}"
+                    key = self._call_key(owner, r)
                     if r == self.rank:
                         continue
                     seen = (self._store.get(key).decode() if self._store.check([key])
                             else None)
-                    if seen is None or int(seen.split(" ", 1)[0]) < self._calls:
+                    if seen is None or int(seen.split(" ", 1)[0]) < mine:
                         behind.append(f"rank {self._global[r]} ({entered(seen)})")
         except Exception:
             return " The rendezvous store is unreachable too: rank 0 (which hosts it) may be dead."
-        where = f" This rank entered {owner} call {self._calls} ({self._call_name})"
+        where = f" This rank entered {owner} {mine} ({name})"
         if behind:
             return (f"{where}; behind it: {', '.join(behind)}: it is late, stalled, crashed, "
                     "or left the training loop.")
@@ -261,7 +268,9 @@ class CommGuard:
                         f"{', '.join(behind)}: it is late (still starting up, a long "
                         "first batch or evaluation), stalled, crashed, or left the training "
                         "loop.")
-            return " Every rank reached this point: a rank failed inside it."
+            # in the same pass: debug fingerprints (one per collective) tell where
+            return (self.who_missed_call(_COLLECTIVE) or
+                    " Every rank reached this point: a rank failed inside it.")
         except Exception:
             return " The rendezvous store is unreachable too: rank 0 (which hosts it) may be dead."
 
@@ -326,6 +335,7 @@ class CommGuard:
         """All-gather what this rank is about to communicate; raise if the ranks differ."""
         if not self.debug or self.world_size == 1:
             return
+        self.mark_call(f"{kind} {bucket} of iteration {iteration}", _COLLECTIVE)
         row = torch.tensor([_KINDS[kind], iteration, bucket, numel, _dtype_code(dtype),
                             self.step], dtype=torch.int64, device=self.device)
         rows = [torch.empty_like(row) for _ in range(self.world_size)]
