@@ -741,6 +741,8 @@ def _stall_before_the_step(what: str, timeout_s: float = 2.0):
                 woke = time.monotonic()
             if what == "clip":
                 opt.clip_grad_norm_(1.0)
+            elif what == "tribucket clip":
+                tribucket.clip_grad_norm_(model, 1.0)
             opt.step()
             opt.wait_parameters()
     except RuntimeError as e:
@@ -748,7 +750,7 @@ def _stall_before_the_step(what: str, timeout_s: float = 2.0):
     return None, time.monotonic(), woke
 
 
-@pytest.mark.parametrize("what", ["step", "clip"])
+@pytest.mark.parametrize("what", ["step", "clip", "tribucket clip"])
 def test_a_stalled_peer_at_the_step_is_bounded_by_timeout(dist_run, what):
     (message, raised_at, _), (_, _, woke) = dist_run(_stall_before_the_step, what,
                                                       world_size=2, timeout=60)
@@ -756,7 +758,8 @@ def test_a_stalled_peer_at_the_step_is_bounded_by_timeout(dist_run, what):
     assert "timed out" in message and "did not complete" in message, message
     assert raised_at < woke, "rank 0 waited for the stalled rank"
     # the stalled rank named, and where each rank is: rank 1 never got past backward
-    call = "opt.clip_grad_norm_()" if what == "clip" else "opt.step()"
+    call = {"step": "opt.step()", "clip": "opt.clip_grad_norm_()",
+            "tribucket clip": "tribucket.clip_grad_norm_()"}[what]
     assert f"This rank entered ShardedOptimizer call 1 ({call})" in message, message
     assert "behind it: rank 1 (entered no ShardedOptimizer call yet)" in message, message
 

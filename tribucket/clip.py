@@ -115,9 +115,14 @@ def _clip(params: list[torch.Tensor], max_norm: float, p_norm: float, norm_type,
                     else _partial(dense, p_norm, foreach, device)]
         partials += [_group_partial(_partial(qs, p_norm, foreach, device), g)
                      for g, qs in groups.values()]
-        # each rank's slices of a sharded reducer's buckets, gathered in rank order
-        partials += [_group_partial(slices_partial(_slices(bw), p_norm, device),
-                                    bw.guard.group) for bw in sharded]
+        # each rank's slices of a sharded reducer's buckets, gathered in rank order (on its
+        # group: bounded by its timeout=, naming the rank that did not call)
+        for bw in sharded:
+            bw.guard.mark_call("tribucket.clip_grad_norm_()")
+            local = slices_partial(_slices(bw), p_norm, device)
+            partials.append(bw.guard.bounded(
+                lambda: _group_partial(local, bw.guard.group),
+                "tribucket.clip_grad_norm_'s all-gather of the gradient shards' norms"))
         total = _combine(partials, p_norm)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(

@@ -233,19 +233,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """``fn()``: one of this optimizer's collectives or its wait. A failure (the group's
         timeout passed, a peer died) says which, and what to do; the group is dead then."""
         try:
-            return fn()
-        except Exception as e:
-            self._guard.failed = True
+            return self._guard.bounded(fn, f"the ShardedOptimizer's {what}")
+        except RuntimeError:
             self._gathers = [None] * len(self._gathers)  # nothing more to wait for
-            cause = self._guard.cause_of(e)
-            who = (self._guard.who_missed_call() or
-                   " A peer did not join it: it died, or stalls before the same call "
-                   "(opt.step(), opt.clip_grad_norm_(), opt.state_dict() are called on every "
-                   "rank).")
-            raise RuntimeError(
-                f"tribucket (rank {self._rank}): the ShardedOptimizer's {what} did not "
-                f"complete: {cause}.{who} The process group cannot be used any more; end the "
-                "job (torchrun restarts it) and resume from a checkpoint.") from e
+            raise
 
     def _settle_at_exit(self) -> None:
         self.wait_parameters()

@@ -227,6 +227,23 @@ class CommGuard:
                     "or left the training loop.")
         return f"{where}, and so did every rank: a rank failed inside it."
 
+    def bounded(self, fn, what: str):
+        """``fn()``: a collective of a call outside backward (one :meth:`mark_call` marked).
+        A failure (the timeout passed, a peer died) raises naming ``what`` and the ranks that
+        never entered the call; the group is dead then."""
+        try:
+            return fn()
+        except Exception as e:
+            self.failed = True
+            who = (self.who_missed_call() or
+                   " A peer did not join it: it died, or stalls before the same call "
+                   "(opt.step(), opt.clip_grad_norm_(), opt.state_dict() and "
+                   "tribucket.clip_grad_norm_() are called on every rank).")
+            raise RuntimeError(
+                f"tribucket (rank {self.rank}): {what} did not complete: {self.cause_of(e)}."
+                f"{who} The process group cannot be used any more; end the job (torchrun "
+                "restarts it) and resume from a checkpoint.") from e
+
     def report_own_failure(self, text: str) -> None:
         """Leave in the rendezvous store that this rank failed in its own code (``text``: the
         short cause), so the peers' reports name it instead of guessing."""
