@@ -77,6 +77,7 @@ def inspect_model(module: nn.Module, ignore_parameters: tuple, only=None) -> Mod
 
     state_params = [(n, p) for n, p in named if not ignored(n, p)]
     buffers = [] if only is not None else module_buffers(module, ignore_names)
+    _refuse_without_storage(state_params, buffers)
     grad_params = [(n, p) for n, p in state_params if p.requires_grad]
     names = [n for n, _ in grad_params]
     params = [p for _, p in grad_params]
@@ -94,6 +95,25 @@ def inspect_model(module: nn.Module, ignore_parameters: tuple, only=None) -> Mod
                      params[0].device if params else torch.device("cpu"),
                      [id(p) in sparse_ids for p in params],
                      [(n, p) for n, p in state_params if not p.requires_grad])
+
+
+def _refuse_without_storage(params: list, buffers: list) -> None:
+    """Parameters and buffers the reducer would manage must hold data: a lazy module's
+    (before its first forward) has no shape, and a meta-device model materialized later
+    (``to_empty``) gets new parameter objects, which the reducer would never see."""
+    for kind, named in (("parameter", params), ("buffer", buffers)):
+        for n, t in named:
+            if isinstance(t, nn.parameter.UninitializedTensorMixin):
+                raise ValueError(
+                    f"{kind} {n!r} is not initialized (a lazy module such as nn.LazyLinear): "
+                    "run a forward on a sample batch first, so that its shape is known, then "
+                    "enter fused_bucketing (as DistributedDataParallel requires)")
+            if t.is_meta:
+                raise ValueError(
+                    f"{kind} {n!r} is on the meta device (no data): materialize the model "
+                    "first (model.to_empty(device=...) then initialize it, e.g. "
+                    "reset_parameters()), then enter fused_bucketing; parameters created "
+                    "after entering would not be averaged")
 
 
 def expert_replica_sets(module: nn.Module, ignore_parameters: tuple) -> list[tuple]:
