@@ -351,6 +351,62 @@ def test_two_forwards_then_one_backward_with_batchnorm(dist_run, mode):
     assert all(dist_run(_two_forwards_one_backward, mode, world_size=2))
 
 
+# ---------------------------------------------------------------- unusual parameters
+class OddParameters(nn.Module):
+    """``gapped``: a parameter that is a column slice of a larger tensor (strides with gaps,
+    as a slice of a pretrained fused QKV weight); ``complex``: complex64 and complex128
+    parameters beside a real one. Initial values differ per rank: entering broadcasts
+    rank 0's."""
+
+    def __init__(self, case: str, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.lin = nn.Linear(8, 8)
+        if case == "gapped":
+            self.w = nn.Parameter(torch.randn(8, 24, generator=g)[:, 4:20])
+        else:
+            self.w = nn.Parameter(torch.randn(8, 16, generator=g, dtype=torch.complex64))
+            self.v = nn.Parameter(torch.randn(16, generator=g, dtype=torch.complex128))
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.w.is_complex():
+            return ((h.to(self.w.dtype) @ self.w) * self.v).abs().to(h.dtype)
+        return torch.tanh(h @ self.w)
+
+
+def _odd_parameters_train(case: str, view: bool, api: str):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    mine, theirs = OddParameters(case, 10 + rank), OddParameters(case, 10 + rank)
+    theirs.load_state_dict(mine.state_dict())
+    ddp = DDP(theirs, gradient_as_bucket_view=view)
+    opt_a = torch.optim.SGD(mine.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(theirs.parameters(), lr=0.1)
+    if api == "ddp":
+        ctx, model = contextlib.nullcontext(), tribucket.DistributedDataParallel(
+            mine, gradient_as_bucket_view=view)
+    else:
+        ctx, model = tribucket.fused_bucketing(mine, gradient_as_bucket_view=view), mine
+    with ctx:
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+            for m, opt in ((model, opt_a), (ddp, opt_b)):
+                m(x).square().mean().backward()
+                opt.step()
+            _assert_same(mine, theirs, f"{case} step {step}")
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+    return _gathered_equal(mine)
+
+
+@pytest.mark.parametrize("api", ["fused_bucketing", "ddp"])
+@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("case", ["gapped"])
+def test_unusual_parameters_train_as_with_ddp(dist_run, case, view, api):
+    assert all(dist_run(_odd_parameters_train, case, view, api, world_size=2, timeout=60))
+
+
 # ---------------------------------------------------------------- checks and messages
 def _no_trainable_parameter():
     model = nn.Linear(3, 3).requires_grad_(False)

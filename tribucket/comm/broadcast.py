@@ -28,13 +28,13 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _flat_memory(t: torch.Tensor, i: int) -> torch.Tensor:
-    """A 1-D view of ``t``'s memory (channels_last and other dense layouts included)."""
+def _flat_memory(t: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D view of ``t``'s memory (channels_last and other dense layouts included); None
+    when it has gaps or overlaps (a slice of a larger tensor)."""
     if t.is_contiguous():
         return t.view(-1)
     if not _dense(t):
-        raise ValueError(f"broadcast_coalesced: tensor {i} (shape {list(t.shape)}, strides "
-                         f"{list(t.stride())}) has gaps or overlaps; make it contiguous first")
+        return None
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
@@ -46,10 +46,22 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
     Tensors are grouped by (dtype, device) into buffers of at most ``bucket_bytes`` (one
     tensor larger than that goes alone), packed with one kernel launch per buffer (bit-exact
     for any dtype: int64 counters, fp64, bool...), broadcast with at most two broadcasts in
-    flight, and unpacked. ``src`` is a rank of ``group``.
+    flight, and unpacked. A tensor whose memory has gaps (a slice of a larger one) travels
+    as a dense copy, copied back at the end. ``src`` is a rank of ``group``.
     """
-    tensors = [_flat_memory(t, i) for i, t in enumerate(tensors) if t.numel() > 0]
-    if not tensors or dist.get_world_size(group) == 1:
+    if dist.get_world_size(group) == 1:
+        return
+    flat, gapped = [], []  # gapped: (tensor, the dense copy that travels for it)
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        view = _flat_memory(t)
+        if view is None:
+            view = t.detach().reshape(-1).clone()
+            gapped.append((t, view))
+        flat.append(view)
+    tensors = flat
+    if not tensors:
         return
     # every rank holds the same strides (the reducer verifies them), so broadcasting the
     # memory order moves every element to its place
@@ -77,3 +89,6 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
         in_flight.append((work, buf, plan, [t.detach() for t in members]))
     for entry in in_flight:
         finish(entry)
+    if not is_src:
+        for t, copy in gapped:
+            t.detach().copy_(copy.view(t.shape))
