@@ -376,7 +376,9 @@ class OddParameters(nn.Module):
 
 
 def _odd_parameters_train(case: str, view: bool, api: str):
+    """``case`` + ``"+hook"``: torch's ``allreduce_hook`` registered on both."""
     rank = dist.get_rank()
+    case, _, hook = case.partition("+")
     torch.manual_seed(0)
     mine, theirs = OddParameters(case, 10 + rank), OddParameters(case, 10 + rank)
     theirs.load_state_dict(mine.state_dict())
@@ -386,8 +388,13 @@ def _odd_parameters_train(case: str, view: bool, api: str):
     if api == "ddp":
         ctx, model = contextlib.nullcontext(), tribucket.DistributedDataParallel(
             mine, gradient_as_bucket_view=view)
+        reducer = model
     else:
-        ctx, model = tribucket.fused_bucketing(mine, gradient_as_bucket_view=view), mine
+        ctx = reducer = tribucket.fused_bucketing(mine, gradient_as_bucket_view=view)
+        model = mine
+    if hook:
+        for target in (ddp, reducer):
+            target.register_comm_hook(None, default_hooks.allreduce_hook)
     with ctx:
         for step in range(3):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
@@ -402,9 +409,24 @@ def _odd_parameters_train(case: str, view: bool, api: str):
 
 @pytest.mark.parametrize("api", ["fused_bucketing", "ddp"])
 @pytest.mark.parametrize("view", [False, True])
-@pytest.mark.parametrize("case", ["gapped"])
+@pytest.mark.parametrize("case", ["gapped", "complex", "complex+hook"])
 def test_unusual_parameters_train_as_with_ddp(dist_run, case, view, api):
+    # complex parameters: a bucket of their own each, all-reduced as torch.distributed does
     assert all(dist_run(_odd_parameters_train, case, view, api, world_size=2, timeout=60))
+
+
+def _complex_sharded():
+    try:
+        tribucket.fused_bucketing(OddParameters("complex", 0), shard_optimizer=True)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_sharding_complex_parameters_is_refused_by_name(dist_run):
+    for message in dist_run(_complex_sharded, world_size=2, timeout=60):
+        assert message is not None and "does not shard complex parameters" in message, message
+        assert "['w', 'v']" in message, message
 
 
 # ---------------------------------------------------------------- checks and messages

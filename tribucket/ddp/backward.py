@@ -113,7 +113,14 @@ class Backward:
             self._init_shards(expect_sparse)
 
     def _init_shards(self, expect_sparse: list[bool]) -> None:
-        sparse = [self.names[i] for i, s in enumerate(expect_sparse) if s]
+        lone = [i for i, s in enumerate(expect_sparse) if s]
+        complex_ = [self.names[i] for i in lone if self.params[i].is_complex()]
+        if complex_:
+            raise ValueError(f"shard_optimizer=True does not shard complex parameters "
+                             f"({complex_}); store them as real tensors of shape (..., 2) "
+                             "(torch.view_as_complex in forward), or pass them in "
+                             "ignore_parameters and average them yourself")
+        sparse = [self.names[i] for i in lone]
         if sparse:
             raise ValueError(f"shard_optimizer=True does not support sparse gradients "
                              f"(parameters {sparse} come from Embedding(sparse=True)); use "

@@ -166,16 +166,19 @@ class _HookResult:
 
 
 class _SparseAllreduce:
-    """The allreduce of a sparse gradient: its result is a new tensor, not the input."""
+    """The allreduce of a lone bucket's gradient: a sparse one's result is a new tensor, a
+    dense (complex) one is reduced in place."""
 
-    __slots__ = ("work", "guard", "what", "iteration")
+    __slots__ = ("work", "guard", "what", "iteration", "dense")
 
-    def __init__(self, work, guard: CommGuard, what: str, iteration: int):
+    def __init__(self, work, guard: CommGuard, what: str, iteration: int,
+                 dense: torch.Tensor | None = None):
         self.work, self.guard, self.what, self.iteration = work, guard, what, iteration
+        self.dense = dense
 
     def wait(self) -> torch.Tensor:
         self.guard.wait(self.work, f"the allreduce of {self.what}", self.iteration)
-        return self.work.result()[0]
+        return self.work.result()[0] if self.dense is None else self.dense
 
 
 def _futures_of(handle):
@@ -263,7 +266,9 @@ class _BucketBase:
 
 
 class SparseBucket(_BucketBase):
-    """A bucket of one sparse-gradient parameter (``Embedding(sparse=True)``), alone as DDP."""
+    """A bucket of one sparse-gradient parameter (``Embedding(sparse=True)``), alone as DDP,
+    or of one complex parameter, whose dense gradient is all-reduced as it is
+    (``torch.distributed`` views complex tensors as real)."""
 
     __slots__ = ("name",)
     chunked = False
@@ -277,6 +282,10 @@ class SparseBucket(_BucketBase):
     def launch(self, p: Pass, comm: Comm, zeros: bool = False) -> None:
         param = self.params[0]
         g = None if zeros or not p.ready[self.indices[0]] else param.grad
+        if param.is_complex() and (g is None or not g.is_sparse):
+            self.communicate(p, comm, torch.zeros_like(param, memory_format=torch.contiguous_format)
+                             if g is None else g.contiguous())
+            return
         if g is None:
             g = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long, device=param.device),
                                         torch.empty((0, *param.shape[1:]), dtype=param.dtype,
@@ -294,7 +303,8 @@ class SparseBucket(_BucketBase):
             g = g * p.scale if p.scale != 1.0 else g * (1.0 / comm.world_size)
             self.handle = _SparseAllreduce(dist.all_reduce(g, group=comm.guard.group,
                                                            async_op=True),
-                                           comm.guard, self.describe(), p.iteration)
+                                           comm.guard, self.describe(), p.iteration,
+                                           None if g.is_sparse else g)
         else:
             gb = GradBucket(self.index, g, self.params, [0], is_last=self.is_last)
             self.handle = _HookResult(invoke(comm.hook, comm.hook_state, self.index, gb),
@@ -304,8 +314,11 @@ class SparseBucket(_BucketBase):
     def finish(self, result: torch.Tensor, targets: list, all_targets: bool = False,
                stats: torch.Tensor | None = None) -> bool:
         if result is not None and targets[0]:
-            self.params[0].grad = result
-        return False  # no figures for a sparse gradient (clipping falls back to torch)
+            param = self.params[0]
+            if param.is_complex() and not result.is_complex():
+                result = torch.view_as_complex(result)  # a hook's collective: viewed as real
+            param.grad = result
+        return False  # no figures for a lone bucket (clipping falls back to torch)
 
 
 class DenseBucket(_BucketBase):

@@ -93,7 +93,9 @@ def inspect_model(module: nn.Module, ignore_parameters: tuple, only=None) -> Mod
     return ModelView(state_params, buffers, names, params,
                      {id(p): i for i, p in enumerate(params)},
                      params[0].device if params else torch.device("cpu"),
-                     [id(p) in sparse_ids for p in params],
+                     # a bucket of its own: sparse gradients, and complex ones (all-reduced
+                     # as torch.distributed does, viewed as real)
+                     [id(p) in sparse_ids or p.is_complex() for p in params],
                      [(n, p) for n, p in state_params if not p.requires_grad])
 
 
