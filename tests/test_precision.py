@@ -252,6 +252,62 @@ def test_clip_grad_norm_equals_torch(dist_run, name, wire, eager):
         assert params_equal
 
 
+class _Fp64(nn.Module):
+    """float64 layers (``mixed``: the last only, after a float32 one)."""
+
+    def __init__(self, mixed: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4).double()
+        if not mixed:
+            self.a.double()
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x.to(self.a.weight.dtype)))
+        return self.b(h.to(torch.float64))
+
+
+def _clip_in_fp64(kind: str):
+    """tribucket.clip_grad_norm_ (``sharded``: the optimizer's) of a model with float64
+    parameters against torch's clip after DDP: ``[(our norm's dtype, torch's, ours, torch's,
+    largest relative gradient difference after clipping)]`` per step."""
+    rank = dist.get_rank()
+    ours, ref = _Fp64(kind == "mixed"), _Fp64(kind == "mixed")
+    ddp = nn.parallel.DistributedDataParallel(ref)
+    out = []
+    with tribucket.fused_bucketing(ours, bucket_cap_mb=0.0005,
+                                   shard_optimizer=kind == "sharded") as reducer:
+        opt = (tribucket.ShardedOptimizer(reducer, torch.optim.SGD, lr=0.0)
+               if kind == "sharded" else None)
+        for step in range(2):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + rank),
+                            dtype=torch.float64)
+            ours(x).square().mean().backward()
+            ddp(x).square().mean().backward()
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+            if opt is not None:
+                got, diff = opt.clip_grad_norm_(0.01), 0.0  # (the shards: not in .grad)
+                opt.zero_grad()
+            else:
+                got = tribucket.clip_grad_norm_(ours, 0.01)
+                diff = max(((a.grad - b.grad).abs().max() / b.grad.abs().max()).item()
+                           for a, b in zip(ours.parameters(), ref.parameters()))
+            out.append((got.dtype, want.dtype, got.item(), want.item(), diff))
+            ours.zero_grad()
+            ref.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fp64", "mixed", "sharded"])
+def test_clip_of_fp64_gradients_keeps_fp64_precision(dist_run, kind):
+    # torch's clip takes the norm of float64 gradients in float64; so must tribucket's
+    for got_dtype, want_dtype, got, want, diff in dist_run(_clip_in_fp64, kind,
+                                                           world_size=2, timeout=60)[0]:
+        assert got_dtype == want_dtype == torch.float64, (got_dtype, want_dtype)
+        assert got == pytest.approx(want, rel=1e-12, abs=0), (got, want)
+        assert diff <= 1e-12, diff
+
+
 def _grad_norm_vs_dense(name):
     """reducer.grad_norm() against the norm of the dense averaged gradient."""
     from models import batch, loss_of

@@ -95,13 +95,22 @@ def shard_buckets(layout: BucketLayout, world: int, rank: int,
     return out
 
 
+def norm_dtype(grads) -> torch.dtype:
+    """The dtype a gradient norm is accumulated in: float64 if any gradient is float64
+    (or complex128), as torch's ``clip_grad_norm_`` gives it, else float32."""
+    wide = (torch.float64, torch.complex128)
+    return torch.float64 if any(g.dtype in wide for g in grads) else torch.float32
+
+
 def slices_partial(grads: list[torch.Tensor], norm_type: float,
                    device: torch.device) -> torch.Tensor:
     """``sum |g|^p`` (``max |g|`` for ``p = inf``) over this rank's gradient slices, an fp32
-    scalar; their padding is zero, so it adds nothing."""
-    local = torch.zeros((), dtype=torch.float32, device=device)
+    scalar (fp64 when a slice is, as torch's clip takes their norm); their padding is zero,
+    so it adds nothing."""
+    acc = norm_dtype(grads)
+    local = torch.zeros((), dtype=acc, device=device)
     for g in grads:
-        n = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+        n = torch.linalg.vector_norm(g, norm_type, dtype=acc)
         local = torch.maximum(local, n) if math.isinf(norm_type) else local + n ** norm_type
     return local
 

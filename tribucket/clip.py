@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._epilogue import cover
-from ._shard import clip_slices_, slices_partial
+from ._shard import clip_slices_, norm_dtype, slices_partial
 from ._tags import expert_group, is_expert_parallel
 from .ddp import optsteps
 from .trace.tracer import span_if_tracing
@@ -107,7 +107,9 @@ def _clip(params: list[torch.Tensor], max_norm: float, p_norm: float, norm_type,
     device = params[0].grad.device if params else sharded[0].device
     # the dense gradients' norm from the reducers' epilogue when it describes them exactly
     # (norm 2, whole buckets, unchanged since backward): no pass over them
-    fast = cover(dense) if p_norm == 2.0 and dense else None
+    # (the figures are float32: float64 gradients take the general path, in float64)
+    fast = (cover(dense) if p_norm == 2.0 and dense and norm_dtype(
+        [q.grad for q in dense]) == torch.float32 else None)
     # no expert-parallel parameter: the total as torch forms it, to the bit
     total = fast.norm_of(dense) if fast is not None and not groups and not sharded else None
     if total is None:
@@ -146,7 +148,8 @@ def _slices(bw) -> list[torch.Tensor]:
 
 
 def _partial(params: list[torch.Tensor], p_norm: float, foreach, device) -> torch.Tensor:
-    """``sum |g|^p`` over ``params`` (``max |g|`` for inf), an fp32 scalar."""
+    """``sum |g|^p`` over ``params`` (``max |g|`` for inf), an fp32 scalar (fp64 when a
+    gradient is)."""
     if not params:
         return torch.zeros((), dtype=torch.float32, device=device)
     grads = [q.grad for q in params]
@@ -155,7 +158,8 @@ def _partial(params: list[torch.Tensor], p_norm: float, foreach, device) -> torc
     else:
         norms = [torch.linalg.vector_norm(g.coalesce().values() if g.is_sparse else g, p_norm)
                  for g in grads]
-    norms_N = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+    acc = norm_dtype(grads)
+    norms_N = torch.stack([n.to(device=device, dtype=acc) for n in norms])
     return norms_N.max() if math.isinf(p_norm) else norms_N.pow(p_norm).sum()
 
 
