@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from _dist import stall_until_the_others_return
+import tribucket
 from tribucket.moe import MoELayer, gathered_experts
 from test_moe import D, _dense_moe, _error_of, _ffn, _in_step
 
@@ -159,6 +160,33 @@ def test_peer_failure_names_layer_phase_and_rank(dist_run, mode):
         assert raised_at < results[1][1], (raised_at, results[1])  # while rank 1 slept
     if mode == "evaluate":
         assert "gathered_experts" in message, message
+
+
+def _clip_with_a_stalled_peer(timeout_s=1.5):
+    """tribucket.clip_grad_norm_ sums the experts' norms over the expert-parallel group: with
+    the layer's ``timeout``, a peer that never calls it must not hold the others longer."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layer = MoELayer([nn.Linear(D, D)], 2, D, top_k=1, name="block3.moe",
+                     timeout=datetime.timedelta(seconds=timeout_s))
+    layer(torch.randn(5, D)).sum().backward()
+    if rank == 1:
+        stall_until_the_others_return(timeout_s * 2.5)
+        return "slept", time.monotonic()
+    try:
+        tribucket.clip_grad_norm_(layer, 1.0)
+    except RuntimeError as e:
+        return str(e), time.monotonic()
+    return "no error", time.monotonic()
+
+
+@pytest.mark.dist
+def test_clip_with_a_stalled_peer_is_bounded_by_the_layers_timeout(dist_run):
+    results = dist_run(_clip_with_a_stalled_peer, world_size=2, timeout=60, teardown=True)
+    message, raised_at = results[0]
+    assert "tribucket.clip_grad_norm_" in message and "expert-parallel" in message, message
+    assert "timed out" in message.lower(), message
+    assert raised_at < results[1][1], (raised_at, results[1])  # while rank 1 slept
 
 
 # ---------------------------------------------------------------- training inside the gather

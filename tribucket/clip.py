@@ -172,7 +172,15 @@ def _group_partial(local: torch.Tensor, group) -> torch.Tensor:
     if world == 1:
         return local
     every = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(every, local, group=group)
+    try:
+        dist.all_gather(every, local, group=group)
+    except Exception as e:  # (an MoE layer's timeout= bounds it: its group is timed)
+        raise RuntimeError(
+            f"tribucket.clip_grad_norm_: the all-gather of the expert-parallel norms over "
+            f"{world} ranks did not complete ({str(e).splitlines()[0] if str(e) else e!r}): "
+            "a peer died, or did not call tribucket.clip_grad_norm_ (every rank of the "
+            "group calls it, with the same parameters). The process group cannot be used "
+            "any more; end the job and resume from a checkpoint.") from e
     return torch.stack(every)
 
 

@@ -359,7 +359,6 @@ class MoELayer(nn.Module):
         # [E] token-slots routed to each expert over the group since the last bias update
         self._load = TrainedLoad(num_experts)
         for p in self.experts.parameters():
-            mark_expert_parallel(p, group=group, replica_group=replica_group)
             if self.expert_grad_scale != 1.0:
                 p.register_hook(lambda g, s=self.expert_grad_scale: g * s)
         self.register_load_state_dict_pre_hook(_drop_other_ranks_experts)
@@ -370,6 +369,8 @@ class MoELayer(nn.Module):
         # progress marks and failure reports
         self._guard = MoEGuard(group, rank, world, timeout, name)
         self.dispatcher.group = group = self._guard.group
+        for p in self.experts.parameters():  # (on the timed group: clip_grad_norm_'s too)
+            mark_expert_parallel(p, group=group, replica_group=replica_group)
         broadcast_from_first_rank(self.router, group)
         for module in (self.shared_experts, self.shared_gate):
             if module is not None:
