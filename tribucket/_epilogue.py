@@ -320,6 +320,12 @@ class Cover:
     def __init__(self, parts: list[tuple[Epilogue, list[int]]]):
         self.parts = parts
 
+    def wide(self) -> bool:
+        """Whether a bucket holds float64 gradients (whose norm torch takes in float64, finer
+        than these float32 figures)."""
+        return any(epi.params[b][0].dtype == torch.float64
+                   for epi, buckets in self.parts for b in buckets)
+
     def norm(self) -> torch.Tensor:
         """The total 2-norm of the gradients (0-dim float32)."""
         norms = [epi.figures(b)[0] for epi, buckets in self.parts for b in buckets]

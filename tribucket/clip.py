@@ -107,9 +107,9 @@ def _clip(params: list[torch.Tensor], max_norm: float, p_norm: float, norm_type,
     device = params[0].grad.device if params else sharded[0].device
     # the dense gradients' norm from the reducers' epilogue when it describes them exactly
     # (norm 2, whole buckets, unchanged since backward): no pass over them
-    # (the figures are float32: float64 gradients take the general path, in float64)
-    fast = (cover(dense) if p_norm == 2.0 and dense and norm_dtype(
-        [q.grad for q in dense]) == torch.float32 else None)
+    fast = cover(dense) if p_norm == 2.0 and dense else None
+    if fast is not None and fast.wide():  # float32 figures: float64 takes the general path
+        fast = None
     # no expert-parallel parameter: the total as torch forms it, to the bit
     total = fast.norm_of(dense) if fast is not None and not groups and not sharded else None
     if total is None:
