@@ -183,7 +183,7 @@ def _entry_mismatch(what):
             if what == "hook" and rank == 1:
                 reducer.register_comm_hook(None, hooks.fp16_compress_hook)
             loss_of(model(batch("mlp", rank, 0))).backward()
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         return str(e)
     return None
 
@@ -193,7 +193,10 @@ def _entry_mismatch(what):
 def test_mismatch_across_ranks_is_named_on_every_rank(dist_run, what):
     messages = dist_run(_entry_mismatch, what, world_size=2, timeout=45)
     name = {"device": "meta", "hook": "fp16_compress_hook"}.get(what, what)
-    for msg in messages:
+    for rank, msg in enumerate(messages):
+        if what == "device" and rank == 1:  # its own parameters, refused (no data)
+            assert msg is not None and "'layers.0.weight' is on the meta device" in msg, msg
+            continue
         assert msg is not None and name in msg and "rank 1" in msg, msg
 
 

@@ -34,6 +34,8 @@ class ModelView:
     expect_sparse: list[bool]
     #: (name, parameter) of those in ``state_params`` that do not require grad (not averaged)
     frozen: list[tuple[str, torch.Tensor]]
+    #: why this rank cannot go on (a parameter without data), refused on every rank at once
+    problem: str | None = None
 
 
 def module_buffers(module: nn.Module, ignore_names) -> list[tuple[str, torch.Tensor]]:
@@ -77,7 +79,10 @@ def inspect_model(module: nn.Module, ignore_parameters: tuple, only=None) -> Mod
 
     state_params = [(n, p) for n, p in named if not ignored(n, p)]
     buffers = [] if only is not None else module_buffers(module, ignore_names)
-    _refuse_without_storage(state_params, buffers)
+    problem = _without_storage(state_params, buffers)
+    if problem is not None:  # (shape and device unknown: refused in the entry check)
+        return ModelView(state_params, buffers, [], [], {}, torch.device("cpu"), [], [],
+                         problem)
     grad_params = [(n, p) for n, p in state_params if p.requires_grad]
     names = [n for n, _ in grad_params]
     params = [p for _, p in grad_params]
@@ -99,23 +104,24 @@ def inspect_model(module: nn.Module, ignore_parameters: tuple, only=None) -> Mod
                      [(n, p) for n, p in state_params if not p.requires_grad])
 
 
-def _refuse_without_storage(params: list, buffers: list) -> None:
-    """Parameters and buffers the reducer would manage must hold data: a lazy module's
-    (before its first forward) has no shape, and a meta-device model materialized later
-    (``to_empty``) gets new parameter objects, which the reducer would never see."""
+def _without_storage(params: list, buffers: list) -> str | None:
+    """Why the model cannot be averaged, if a parameter or buffer the reducer would manage
+    holds no data: a lazy module's (before its first forward) has no shape, and a
+    meta-device model materialized later (``to_empty``) gets new parameter objects, which the
+    reducer would never see."""
     for kind, named in (("parameter", params), ("buffer", buffers)):
         for n, t in named:
             if isinstance(t, nn.parameter.UninitializedTensorMixin):
-                raise ValueError(
-                    f"{kind} {n!r} is not initialized (a lazy module such as nn.LazyLinear): "
-                    "run a forward on a sample batch first, so that its shape is known, then "
-                    "enter fused_bucketing (as DistributedDataParallel requires)")
+                return (f"{kind} {n!r} is not initialized (a lazy module such as "
+                        "nn.LazyLinear): run a forward on a sample batch first, so that its "
+                        "shape is known, then enter fused_bucketing (as "
+                        "DistributedDataParallel requires)")
             if t.is_meta:
-                raise ValueError(
-                    f"{kind} {n!r} is on the meta device (no data): materialize the model "
-                    "first (model.to_empty(device=...) then initialize it, e.g. "
-                    "reset_parameters()), then enter fused_bucketing; parameters created "
-                    "after entering would not be averaged")
+                return (f"{kind} {n!r} is on the meta device (no data): materialize the model "
+                        "first (model.to_empty(device=...) then initialize it, e.g. "
+                        "reset_parameters()), then enter fused_bucketing; parameters created "
+                        "after entering would not be averaged")
+    return None
 
 
 def expert_replica_sets(module: nn.Module, ignore_parameters: tuple) -> list[tuple]:
@@ -190,10 +196,13 @@ def verify_across_ranks(view: ModelView, group, world_size: int, config: Any = N
     (and ``extra``: other facts every rank must share) differ from rank 0's (one
     ``all_gather_object``). ``problem``: this rank's reason not to go on (its own
     ``ValueError`` here, a ``RuntimeError`` naming it on the others), in the same gather."""
+    problem = "; ".join(filter(None, (view.problem, problem))) or None
     if world_size == 1:
         if problem is not None:
             raise ValueError(problem)
         return
+    if view.problem is not None:  # (no shapes to compare: the problem says why)
+        view = dataclasses.replace(view, state_params=[], buffers=[])
     meta = [("parameter", n, tuple(p.shape), tuple(p.stride()), str(p.dtype), p.requires_grad,
              p.device.type) for n, p in view.state_params]
     meta += [("buffer", n, tuple(b.shape), tuple(b.stride()), str(b.dtype), False,
