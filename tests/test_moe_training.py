@@ -587,3 +587,50 @@ def test_mesh_that_differs_on_one_rank_raises_on_every_rank(dist_run):
                                         timeout=60)):
         assert out[0] == "ValueError", (rank, out)
         assert "rank 3" in out[1] and "('ep', 'dp')" in out[1], (rank, out)
+
+
+def _overflow_in_one_rank_s_expert(api: str):
+    """An inf in the gradient of an expert that only rank 1 holds, at step 1, under
+    tribucket.amp.GradScaler and tribucket.clip_grad_norm_ (the README's recipe). Only the
+    expert's owner computes its gradient, so only rank 1's scan sees the overflow: every
+    rank must still skip that step and back off alike, as a loss scaler does over DDP."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    layer = MoELayer([_ffn(10 * rank + e) for e in range(2)], 2 * W, D, top_k=2)
+    model = _Net(layer, seed=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = tribucket.amp.GradScaler("cpu", init_scale=1024.0)
+    step = [0]
+    if rank == 1:
+        w = layer.experts["2"][0].weight if "2" in layer.experts else None
+        w = w if w is not None else next(iter(layer.experts.parameters()))
+        w.register_hook(lambda g: g * float("inf") if step[0] == 1 else g)
+    scales, moved = [], []
+    with tribucket.fused_bucketing(model):
+        for s in range(3):
+            step[0] = s
+            before = [p.detach().clone() for p in model.parameters()]
+            x = torch.randn(6, D, generator=torch.Generator().manual_seed(10 * s + rank))
+            scaler.scale(model(x).square().mean()).backward()
+            if api == "unscale":
+                scaler.unscale_(opt)
+                tribucket.clip_grad_norm_(model, 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            scales.append(scaler.get_scale())
+            moved.append(any(not torch.equal(a, p) for a, p in zip(before, model.parameters())))
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return scales, moved, finite
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("api", ["unscale", "step"])
+def test_an_overflow_in_one_rank_s_expert_skips_the_step_on_every_rank(dist_run, api):
+    # before: rank 1 skipped the step, rank 0 took it (with NaN gradients from the clip),
+    # and the next backward found the ranks at different steps
+    results = dist_run(_overflow_in_one_rank_s_expert, api, world_size=2, timeout=60)
+    for rank, (scales, moved, finite) in enumerate(results):
+        assert scales == [1024.0, 512.0, 512.0], (rank, scales)
+        assert moved == [True, False, True], (rank, moved)
+        assert finite, rank

@@ -13,11 +13,15 @@ sparse or fp16 gradients, gradients modified since the backward), it does what t
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
+import torch.distributed as dist
+
 from ._epilogue import cover
+from ._tags import expert_group, is_expert_parallel
 from .trace.tracer import span_if_tracing
 
 __all__ = ["GradScaler"]
@@ -36,6 +40,50 @@ def _grad_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor] | None:
         if g.is_sparse or g.dtype == torch.float16 or g.device != first:
             return None
     return params
+
+
+def _expert_groups(optimizer: torch.optim.Optimizer) -> list:
+    """The expert-parallel groups (of more than one rank) of the optimizer's parameters, in
+    order: an expert's gradient is computed on its owner alone, so an overflow there must be
+    shared with the group's other ranks. Decided from the parameters, not their gradients,
+    so every rank of a group takes part alike; cached on the optimizer while its parameter
+    count stays."""
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    cached = _EXPERT_GROUPS.get(optimizer)
+    if cached is not None and cached[0] == count:
+        return cached[1]
+    groups: dict[int, Any] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if is_expert_parallel(p):
+                g = expert_group(p)
+                if id(g) not in groups and dist.get_world_size(g) > 1:
+                    groups[id(g)] = g
+    _EXPERT_GROUPS[optimizer] = (count, list(groups.values()))
+    return _EXPERT_GROUPS[optimizer][1]
+
+
+#: optimizer -> (its parameter count, its expert-parallel groups), as long as it lives
+_EXPERT_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _agree(optimizer: torch.optim.Optimizer, found: dict) -> dict:
+    """``found`` (device -> inf flag) with each flag the max over the optimizer's expert-
+    parallel groups: every rank skips the step when one rank's experts overflowed."""
+    groups = _expert_groups(optimizer)
+    if not groups:
+        return found
+    # (no gradient here, no token reached this rank's experts: it still takes part)
+    device = (next(iter(found.values())).device if found else
+              next(p.device for g in optimizer.param_groups for p in g["params"]))
+    flag = torch.zeros((), device=device)
+    for f in found.values():
+        flag = torch.maximum(flag, f.reshape(()).float().to(device))
+    for g in groups:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=g)
+    for f in found.values():
+        f.copy_(flag.to(f.device).reshape(f.shape))
+    return found
 
 
 def _refuse_sharded(optimizer: Any) -> None:
@@ -77,13 +125,15 @@ class GradScaler(torch.amp.GradScaler):
         params = _grad_params(optimizer)
         figures = cover(params) if params is not None else None
         if figures is None:
-            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            return _agree(optimizer, super()._unscale_grads_(optimizer, inv_scale, found_inf,
+                                                             allow_fp16))
         with span_if_tracing("epilogue", args={"op": "unscale_"}):
             flag = figures.found_inf()
             device = params[0].grad.device
             with torch.no_grad():
                 figures.scale_(inv_scale.to(device))
-            return {device: flag.to(device=device, dtype=torch.float32).reshape(found_inf.shape)}
+            return _agree(optimizer, {device: flag.to(device=device, dtype=torch.float32)
+                                      .reshape(found_inf.shape)})
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # step() without unscale_ for optimizers that unscale themselves (fused Adam...):
@@ -91,10 +141,11 @@ class GradScaler(torch.amp.GradScaler):
         params = _grad_params(optimizer)
         figures = cover(params) if params is not None else None
         if figures is None:
-            return super()._check_inf_per_device(optimizer)
+            return _agree(optimizer, super()._check_inf_per_device(optimizer))
         with span_if_tracing("epilogue", args={"op": "found_inf"}):
             flag = figures.found_inf()
         device = params[0].grad.device
-        found = {device: flag.to(device=device, dtype=torch.float32).reshape(())}
+        found = _agree(optimizer, {device: flag.to(device=device, dtype=torch.float32)
+                                   .reshape(())})
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return found
