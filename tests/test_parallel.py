@@ -564,3 +564,50 @@ def _static_graph_no_sync_first():
 
 def test_static_graph_with_no_sync_from_the_first_step(dist_run):
     assert dist_run(_static_graph_no_sync_first) == [True, True]
+
+
+def _evaluate_module_on_rank_0(wrapper: str):
+    """torch DDP's habit: train through the wrapper, then ``if rank == 0:`` evaluate through
+    ``ddp.module``, a plain module with no collective. A BatchNorm model (buffers), under the
+    layer's timeout so a collective rank 1 never joins fails fast instead of hanging.
+    Returns rank 0's evaluation output (or the error), and the parameters after a second
+    training step, which both ranks then take together."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    if wrapper == "torch":
+        ddp = DDP(model)
+    else:
+        ddp = tribucket.DistributedDataParallel(model, timeout=timedelta(seconds=3))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    out = None
+    for step in range(2):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        ddp(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0 and rank == 0:
+            ddp.module.eval()
+            try:
+                with torch.no_grad():
+                    out = ddp.module(torch.ones(3, 4))
+            except RuntimeError as e:
+                return str(e)
+            ddp.module.train()
+        if step == 0:  # (a collective of the script's own: rank 1 waits there)
+            dist.monitored_barrier(timeout=timedelta(seconds=10))
+    return out, [p.detach().clone() for p in model.parameters()], \
+        [b.clone() for b in model.buffers()]
+
+
+def test_evaluating_ddp_module_on_one_rank_as_with_torch_ddp(dist_run):
+    # before: tribucket's wrapper broadcast rank 0's buffers before that forward (DDP's rule
+    # for forwards through the wrapper), which rank 1 never joined: a hang
+    theirs = dist_run(_evaluate_module_on_rank_0, "torch", world_size=2, timeout=60)
+    mine = dist_run(_evaluate_module_on_rank_0, "tribucket", world_size=2, timeout=60,
+                    teardown=True)
+    assert not isinstance(mine[0], str), mine[0]
+    torch.testing.assert_close(mine[0][0], theirs[0][0], rtol=0, atol=0)
+    for (_, p_mine, b_mine), (_, p_theirs, b_theirs) in zip(mine, theirs):
+        for a, b in zip(p_mine + b_mine, p_theirs + b_theirs):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

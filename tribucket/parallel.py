@@ -195,7 +195,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                           find_unused_parameters=find_unused_parameters,
                           gradient_as_bucket_view=gradient_as_bucket_view,
                           static_graph=static_graph, broadcast_buffers=sync_buffers, **options)
-        self._holder[0] = reducer
+        self._own(reducer)
         self._finalizer = weakref.finalize(self, _close_quietly, self._holder)
         _LIVE.add(self)
 
@@ -228,7 +228,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __setstate__(self, state: dict) -> None:
         config = state.pop("_pickled_config")
         super().__setstate__(state)
-        self._holder[0] = Reducer(self.module, None, config=config)
+        self._own(Reducer(self.module, None, config=config))
         self._finalizer = weakref.finalize(self, _close_quietly, self._holder)
         _LIVE.add(self)
 
@@ -262,13 +262,25 @@ class DistributedDataParallel(nn.Module, Joinable):
             reducer.close()
 
     # ------------------------------------------------------------------ forward
+    def _own(self, reducer: Reducer) -> Reducer:
+        """Hold ``reducer`` as this wrapper's: DDP's buffer rule then applies to forwards
+        through the wrapper, and ``self.module(x)`` is a plain module's forward."""
+        reducer._forward.wrapped = True
+        self._holder[0] = reducer
+        return reducer
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self.reducer  # a closed wrapper refuses to run: its gradients would not be averaged
         if self.device_ids:
             inputs, kwargs = _to_kwargs(inputs, kwargs, torch.device(self.device_type,
                                                                       self.device_ids[0]), False)
             inputs, kwargs = inputs[0], kwargs[0]
-        return self.module(*inputs, **kwargs)
+        fwd = self.reducer._forward
+        fwd.via_wrapper = True
+        try:
+            return self.module(*inputs, **kwargs)
+        finally:
+            fwd.via_wrapper = False
 
     def train(self, mode: bool = True) -> "DistributedDataParallel":
         super().train(mode)
@@ -352,7 +364,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         config = dataclasses.replace(old.config, static_graph=True)
         old.close()
         self._holder[0] = None
-        self._holder[0] = new = Reducer(self.module, old.process_group, config=config)
+        new = self._own(Reducer(self.module, old.process_group, config=config))
         if self._comm_hook is not None:
             new.register_comm_hook(*self._comm_hook)
 

@@ -44,6 +44,10 @@ class Forward:
         self.params, self.buffers, self.world_size = params, buffers, world_size
         self.joinable, self.backward_start = joinable, backward_start
         self.require_param_sync = True  # broadcast buffers before the next forward
+        # tribucket.DistributedDataParallel: DDP's buffer rule holds for forwards through the
+        # wrapper only; ``wrapper.module(x)`` is a plain module's forward, as with DDP
+        self.wrapped = False   # the reducer belongs to such a wrapper
+        self.via_wrapper = False  # this forward came through it
         self.step_boundary: Callable | None = None  # called before each training forward
         #: (name, parameter) of the model's parameters that did not require grad on entering
         #: (not averaged): one that requires grad now would train unaveraged on every rank
@@ -56,7 +60,8 @@ class Forward:
             # evaluation: by default no collective, so `if rank == 0: evaluate(model)` works;
             # broadcast_buffers="ddp" decides as DDP (the previous forward was a training
             # one: broadcast), so every rank must then run it
-            if self.config.broadcast_buffers == "ddp" and not joining:
+            if self.config.broadcast_buffers == "ddp" and not joining and (
+                    self.via_wrapper or not self.wrapped):
                 if self.require_param_sync:
                     self.broadcast_buffers(lambda: 0)
                 self.require_param_sync = False
