@@ -396,6 +396,38 @@ def _traced_training(path, moe, **options):
     return made, reducer.trace_path, n_buckets, sizes, grads
 
 
+def _traced_join(path):
+    """Rank 0 trains 6 steps, rank 1 runs out after 3 (``join()``): the trace's path."""
+    import tribucket
+    from models import batch, build, loss_of
+
+    rank = dist.get_rank()
+    model = build("mlp")
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, trace=path) as reducer:
+        with reducer.join():
+            for step in range(6 if rank == 0 else 3):
+                loss_of(model(batch("mlp", rank, step))).backward()
+                model.zero_grad()
+    return reducer.trace_path
+
+
+@pytest.mark.dist
+def test_join_shadow_passes_are_traced_as_steps_of_their_own(dist_run, tmp_path):
+    # before: rank 1 stamped its shadow collectives for rank 0's steps 4-6 with its own last
+    # step, whose buckets then counted four times: the table used 1 of 5 steps
+    from tribucket.trace.report import summarize
+
+    path = dist_run(_traced_join, str(tmp_path), world_size=2, timeout=60)[0]
+    doc = trace.load(path)
+    per_rank_steps = {pid: sorted({e["args"]["step"] for e in doc["traceEvents"]
+                                   if e.get("ph") == "X" and e["pid"] == pid
+                                   and e["name"].endswith(".allreduce")})
+                      for pid in (0, 1)}
+    assert per_rank_steps[0] == per_rank_steps[1], per_rank_steps  # one step per pass
+    summary = summarize(doc)
+    assert len(summary.used_steps) >= 5, (summary.used_steps, per_rank_steps)
+
+
 @pytest.mark.dist
 def test_reducer_trace_matches_its_layout_and_changes_nothing(dist_run, tmp_path):
     traced = dist_run(_traced_training, str(tmp_path), False, world_size=2)

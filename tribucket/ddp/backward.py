@@ -578,6 +578,8 @@ class Backward:
             self.allocate()
         p = Pass(True, len(self.params), self.passes)
         p.shadow = True
+        if self.comm.tracer is not None:  # (the step of the ranks still training)
+            self.comm.tracer.next_step(p.iteration)
         for bucket in self.buckets:
             bucket.reset()
             bucket.launch(p, self.comm, zeros=True)
