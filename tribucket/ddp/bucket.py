@@ -283,8 +283,9 @@ class SparseBucket(_BucketBase):
         param = self.params[0]
         g = None if zeros or not p.ready[self.indices[0]] else param.grad
         if param.is_complex() and (g is None or not g.is_sparse):
-            self.communicate(p, comm, torch.zeros_like(param, memory_format=torch.contiguous_format)
-                             if g is None else g.contiguous())
+            dense = (g.contiguous() if g is not None else
+                     torch.zeros_like(param, memory_format=torch.contiguous_format))
+            self.communicate(p, comm, dense)
             return
         if g is None:
             g = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long, device=param.device),

@@ -176,8 +176,8 @@ def update_routing_biases(model: nn.Module) -> None:
     for m in replicated:
         by_group.setdefault(id(m.replica_group), []).append(m)
     for group_layers in by_group.values():
-        loads = torch.tensor([c for m in group_layers for c in m._load.counts], dtype=torch.float64,
-                             device=group_layers[0].expert_bias.device)
+        loads = torch.tensor([c for m in group_layers for c in m._load.counts],
+                             dtype=torch.float64, device=group_layers[0].expert_bias.device)
         dist.all_reduce(loads, group=group_layers[0].replica_group)
         for m, load_E in zip(group_layers, loads.split([m.num_experts for m in group_layers])):
             m._apply_bias_update(load_E)
