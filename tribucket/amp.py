@@ -17,7 +17,6 @@ import weakref
 from typing import Any
 
 import torch
-
 import torch.distributed as dist
 
 from ._epilogue import cover

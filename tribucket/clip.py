@@ -33,6 +33,7 @@ from ._epilogue import cover
 from ._shard import clip_slices_, norm_dtype, slices_partial
 from ._tags import expert_group, is_expert_parallel
 from .ddp import optsteps
+from .ddp.watchdog import _first_line
 from .trace.tracer import span_if_tracing
 
 __all__ = ["clip_grad_norm_"]
@@ -177,7 +178,7 @@ def _group_partial(local: torch.Tensor, group) -> torch.Tensor:
     except Exception as e:  # (an MoE layer's timeout= bounds it: its group is timed)
         raise RuntimeError(
             f"tribucket.clip_grad_norm_: the all-gather of the expert-parallel norms over "
-            f"{world} ranks did not complete ({str(e).splitlines()[0] if str(e) else e!r}): "
+            f"{world} ranks did not complete ({_first_line(e)}): "
             "a peer died, or did not call tribucket.clip_grad_norm_ (every rank of the "
             "group calls it, with the same parameters). The process group cannot be used "
             "any more; end the job and resume from a checkpoint.") from e

@@ -97,6 +97,8 @@ def _is_store_trace(line: str) -> bool:
             or "TCPStore.cpp" in line or not line.strip())
 
 
+_UNREACHABLE = " The rendezvous store is unreachable too: rank 0 (which hosts it) may be dead."
+
 #: what debug fingerprints count (CommGuard.mark_call): each precedes one reducer collective
 _COLLECTIVE = "the reducer's collective"
 
@@ -209,18 +211,11 @@ class CommGuard:
             return f"last entered {owner} {n} ({what})"
 
         try:
-            behind = []
-            with _quiet_store_errors():
-                for r in range(self.world_size):
-                    key = self._call_key(owner, r)
-                    if r == self.rank:
-                        continue
-                    seen = (self._store.get(key).decode() if self._store.check([key])
-                            else None)
-                    if seen is None or int(seen.split(" ", 1)[0]) < mine:
-                        behind.append(f"rank {self._global[r]} ({entered(seen)})")
+            seen = self._peers(lambda r: self._call_key(owner, r))
         except Exception:
-            return " The rendezvous store is unreachable too: rank 0 (which hosts it) may be dead."
+            return _UNREACHABLE
+        behind = [f"rank {g} ({entered(text)})" for g, text in seen
+                  if text is None or int(text.split(" ", 1)[0]) < mine]
         where = f" This rank entered {owner} {mine} ({name})"
         if behind:
             return (f"{where}; behind it: {', '.join(behind)}: it is late, stalled, crashed, "
@@ -256,40 +251,42 @@ class CommGuard:
         except Exception:
             pass
 
+    def _peers(self, key_of) -> list[tuple[int, str | None]]:
+        """``(global rank, value)`` of every other rank's store key ``key_of(group rank)``
+        (None: not set). Raises when the store is unreachable."""
+        out = []
+        with _quiet_store_errors():
+            for r in range(self.world_size):
+                if r != self.rank:
+                    key = key_of(r)
+                    out.append((self._global[r], self._store.get(key).decode(errors="replace")
+                                if self._store.check([key]) else None))
+        return out
+
     def _who_is_behind(self, iteration: int) -> str:
         if self._store is None:
             return (" Pass timeout=datetime.timedelta(...) to fused_bucketing to have it name "
                     "the missing rank and fail at that timeout.")
         mine = max(getattr(self, "_mine", 0), 2 * iteration)
         try:
-            behind = []
-            with _quiet_store_errors():
-                failed = []
-                for r in range(self.world_size):
-                    key = f"tribucket/{self.seq}/failed/{self._global[r]}"
-                    if r != self.rank and self._store.check([key]):
-                        failed.append(f"rank {self._global[r]} ("
-                                      f"{self._store.get(key).decode(errors='replace')})")
-                if failed:
-                    return (f" The cause is on another rank, which reported an error of its "
-                            f"own: {', '.join(failed)}.")
-                for r in range(self.world_size):
-                    if r == self.rank:
-                        continue
-                    key = self._key(r)
-                    seen = int(self._store.get(key)) if self._store.check([key]) else None
-                    if seen is None or seen < mine:
-                        behind.append(f"rank {self._global[r]} ({_describe_progress(seen)})")
-            if behind:
-                return (f" This rank is in iteration {iteration}; behind it: "
-                        f"{', '.join(behind)}: it is late (still starting up, a long "
-                        "first batch or evaluation), stalled, crashed, or left the training "
-                        "loop.")
-            # in the same pass: debug fingerprints (one per collective) tell where
-            return (self.who_missed_call(_COLLECTIVE) or
-                    " Every rank reached this point: a rank failed inside it.")
+            failed = [f"rank {g} ({text})" for g, text in self._peers(
+                lambda r: f"tribucket/{self.seq}/failed/{self._global[r]}") if text is not None]
+            if failed:
+                return (f" The cause is on another rank, which reported an error of its "
+                        f"own: {', '.join(failed)}.")
+            progress = [(g, None if s is None else int(s)) for g, s in self._peers(self._key)]
         except Exception:
-            return " The rendezvous store is unreachable too: rank 0 (which hosts it) may be dead."
+            return _UNREACHABLE
+        behind = [f"rank {g} ({_describe_progress(seen)})" for g, seen in progress
+                  if seen is None or seen < mine]
+        if behind:
+            return (f" This rank is in iteration {iteration}; behind it: "
+                    f"{', '.join(behind)}: it is late (still starting up, a long "
+                    "first batch or evaluation), stalled, crashed, or left the training "
+                    "loop.")
+        # in the same pass: debug fingerprints (one per collective) tell where
+        return (self.who_missed_call(_COLLECTIVE) or
+                " Every rank reached this point: a rank failed inside it.")
 
     def wait(self, work, what: str, iteration: int):
         """``work.wait()``, turning a failure (timeout, dead peer) into a clear error."""
