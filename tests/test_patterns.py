@@ -429,6 +429,56 @@ def test_sharding_complex_parameters_is_refused_by_name(dist_run):
         assert "['w', 'v']" in message, message
 
 
+class _OneComplex(nn.Module):
+    """A real layer and one complex parameter of ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.lin = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 16, generator=g, dtype=dtype))
+
+    def forward(self, x):
+        return (self.lin(x).to(self.w.dtype) @ self.w).abs().float()
+
+
+def _complex_figures(dtype: torch.dtype):
+    """The reducer's norm and flag and ``tribucket.clip_grad_norm_`` of a model with a
+    complex parameter against torch's after DDP: ``(our norm's dtype, torch's, ours,
+    torch's, found_inf, our clipped norm, torch's, largest gradient difference)``."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    mine, theirs = _OneComplex(dtype), _OneComplex(dtype)
+    theirs.load_state_dict(mine.state_dict())
+    ddp = DDP(theirs)
+    with tribucket.fused_bucketing(mine) as reducer:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        mine(x).square().mean().backward()
+        ddp(x).square().mean().backward()
+        norm = reducer.grad_norm()
+        want = torch.nn.utils.get_total_norm([p.grad for p in theirs.parameters()])
+        flag = reducer.found_inf.item()
+        clipped = tribucket.clip_grad_norm_(mine.parameters(), 0.01)
+        torch_clipped = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.01)
+        diff = max((a.grad - b.grad).abs().max().item()
+                   for a, b in zip(mine.parameters(), theirs.parameters()))
+    return (norm.dtype, want.dtype, norm.item(), want.item(), flag, clipped.item(),
+            torch_clipped.item(), diff)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_complex_gradients_norm_flag_and_clip_as_torch(dist_run, dtype):
+    # a complex gradient's norm is a real number: float32 for complex64, float64 for
+    # complex128, as torch's get_total_norm and clip_grad_norm_ give it
+    for (got_dtype, want_dtype, got, want, flag, clipped, torch_clipped,
+         diff) in dist_run(_complex_figures, dtype, world_size=2, timeout=60):
+        assert got_dtype == want_dtype, (got_dtype, want_dtype)
+        assert got == pytest.approx(want, rel=1e-6, abs=0), (got, want)
+        assert flag == 0.0
+        assert clipped == pytest.approx(torch_clipped, rel=1e-6, abs=0)
+        assert diff <= 1e-9, diff
+
+
 # ---------------------------------------------------------------- checks and messages
 def _no_trainable_parameter():
     model = nn.Linear(3, 3).requires_grad_(False)

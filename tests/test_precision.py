@@ -308,6 +308,31 @@ def test_clip_of_fp64_gradients_keeps_fp64_precision(dist_run, kind):
         assert diff <= 1e-12, diff
 
 
+def _grad_norm_in_fp64(mixed: bool):
+    """reducer.grad_norm() of a model with float64 parameters against torch's
+    ``get_total_norm`` of DDP's gradients: ``(our dtype, torch's, ours, torch's)``."""
+    rank = dist.get_rank()
+    ours, ref = _Fp64(mixed), _Fp64(mixed)
+    ddp = nn.parallel.DistributedDataParallel(ref)
+    with tribucket.fused_bucketing(ours, bucket_cap_mb=0.0005) as reducer:
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank),
+                        dtype=torch.float64)
+        ours(x).square().mean().backward()
+        ddp(x).square().mean().backward()
+        got = reducer.grad_norm()
+    want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    return got.dtype, want.dtype, got.item(), want.item()
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp64", "mixed"])
+def test_grad_norm_of_fp64_gradients_is_fp64(dist_run, mixed):
+    # as torch's total norm: taken in float64 when a gradient is float64
+    for got_dtype, want_dtype, got, want in dist_run(_grad_norm_in_fp64, mixed,
+                                                     world_size=2):
+        assert got_dtype == want_dtype == torch.float64
+        assert abs(got - want) <= 1e-12 * want, (got, want)
+
+
 def _grad_norm_vs_dense(name):
     """reducer.grad_norm() against the norm of the dense averaged gradient."""
     from models import batch, loss_of

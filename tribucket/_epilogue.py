@@ -45,6 +45,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ._shard import WIDE as _WIDE
 from .kernels.pack import norms_fp32
 
 _grad_of = operator.attrgetter("grad")
@@ -72,6 +73,13 @@ def _nonfinite(tensors: Sequence[torch.Tensor], norm: torch.Tensor) -> torch.Ten
         if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
             return flag
     return flag.zero_()
+
+
+def _real(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``grads`` as real tensors of the same values: a sparse gradient's values, a complex
+    one's real view (its 2-norm and finiteness are the complex tensor's)."""
+    out = [g.coalesce()._values() if g.is_sparse else g for g in grads]
+    return [torch.view_as_real(g) if g.is_complex() else g for g in out]
 
 
 def _norm_of(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -222,9 +230,7 @@ class Epilogue:
         rec = self.fresh(b) if self.mems[b] is not None else None
         if rec is not None and rec.norm is not None:
             return rec.norm, rec.flag
-        tensors = self._grads(b)
-        if any(t.is_sparse for t in tensors):
-            tensors = [t.coalesce()._values() if t.is_sparse else t for t in tensors]
+        tensors = _real(self._grads(b))
         norm = _norm_of(tensors).to(self.device)
         flag = _nonfinite(tensors, norm)
         if rec is not None:
@@ -243,7 +249,7 @@ class Epilogue:
             grads = [q.grad for q in qs]
             if any(g.is_sparse for g in grads):
                 return None
-            rec.pnorms = dict(zip(map(id, qs), norms_fp32(grads))) if grads else {}
+            rec.pnorms = dict(zip(map(id, qs), norms_fp32(_real(grads)))) if grads else {}
         return rec.pnorms
 
     def found_inf(self, out: torch.Tensor) -> torch.Tensor:
@@ -255,8 +261,14 @@ class Epilogue:
         return out.copy_(torch.stack(flags).amax().reshape(out.shape))
 
     def grad_norm(self) -> torch.Tensor:
-        """Total 2-norm of the reducer's gradients (0-dim float32)."""
+        """Total 2-norm of the reducer's gradients (0-dim float32; float64 when a gradient
+        is float64 or complex128, taken as torch's ``get_total_norm`` takes it)."""
         self.begin_call()
+        if any(ps[0].dtype in _WIDE for ps in self.params):
+            # the figures are float32: coarser than torch's float64 norm of these gradients
+            grads = _real([g for b in range(len(self.params)) for g in self._grads(b)])
+            return torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g).to(self.device) for g in grads]))
         norms = [self.figures(b)[0] for b in range(len(self.params))]
         if not norms:
             return torch.zeros((), device=self.device)
@@ -323,8 +335,7 @@ class Cover:
     def wide(self) -> bool:
         """Whether a bucket holds float64 gradients (whose norm torch takes in float64, finer
         than these float32 figures)."""
-        return any(epi.params[b][0].dtype == torch.float64
-                   for epi, buckets in self.parts for b in buckets)
+        return any(epi.params[b][0].dtype in _WIDE for epi, buckets in self.parts for b in buckets)
 
     def norm(self) -> torch.Tensor:
         """The total 2-norm of the gradients (0-dim float32)."""

@@ -95,11 +95,14 @@ def shard_buckets(layout: BucketLayout, world: int, rank: int,
     return out
 
 
+# gradient dtypes whose norm torch takes in float64
+WIDE = (torch.float64, torch.complex128)
+
+
 def norm_dtype(grads) -> torch.dtype:
     """The dtype a gradient norm is accumulated in: float64 if any gradient is float64
     (or complex128), as torch's ``clip_grad_norm_`` gives it, else float32."""
-    wide = (torch.float64, torch.complex128)
-    return torch.float64 if any(g.dtype in wide for g in grads) else torch.float32
+    return torch.float64 if any(g.dtype in WIDE for g in grads) else torch.float32
 
 
 def slices_partial(grads: list[torch.Tensor], norm_type: float,

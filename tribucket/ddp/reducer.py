@@ -241,8 +241,9 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         return self._found_inf
 
     def grad_norm(self) -> torch.Tensor:
-        """Total 2-norm (0-dim float32) of the gradients of the parameters this reducer
-        averages, as ``torch.nn.utils.clip_grad_norm_`` would compute it.
+        """Total 2-norm (0-dim float32; float64 when a gradient is float64 or complex128) of
+        the gradients of the parameters this reducer averages, as
+        ``torch.nn.utils.clip_grad_norm_`` would compute it.
 
         From the per-bucket figures of the fused epilogue: on CUDA the unpack kernel computes
         them while it writes the gradients; a bucket lent to ``.grad`` (no pass) is read once,
