@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -178,6 +179,84 @@ def test_torch_powersgd_equals_ddp(dist_run, world_size):
     buckets = dist_run(_torch_hook_vs_ddp, "powerSGD_hook", "mlp", {}, powersgd=opts,
                        world_size=world_size)
     assert buckets[0] == 1
+
+
+class _Permuted(nn.Module):
+    """Parameters whose memory order is not their logical order: a channels_last
+    convolution and a transposed weight (as a checkpoint's ``W.t()`` loaded as is)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+        self.w = nn.Parameter(torch.randn(12, 8).t())  # shape (8, 12), strides (1, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x)).mean((2, 3))
+        return h @ self.w
+
+
+def _buffer_recorder(state, bucket):
+    state.append(bucket.buffer().clone())
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def _permuted_vs_ddp(hook_name: str, view: bool, api: str, steps: int = 4):
+    """Per step: whether the gradients (and the buffers the ``recorder`` hooks saw) equal
+    DDP's, and whether every ``.grad`` has DDP's strides."""
+    rank = dist.get_rank()
+    mine, theirs = _Permuted(), _Permuted()
+    ddp = DDP(theirs, gradient_as_bucket_view=view)
+    if api == "ddp":
+        model = reducer = tribucket.DistributedDataParallel(mine, gradient_as_bucket_view=view)
+    else:
+        # ``eager``: each gradient copied into its slot as it arrives (else one pack call)
+        reducer = tribucket.fused_bucketing(mine, gradient_as_bucket_view=view,
+                                            pack_on_ready=api == "eager").__enter__()
+        model = mine
+    seen_ours, seen_ddp = [], []
+    if hook_name == "powerSGD":
+        opts = dict(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                    random_seed=0)
+        reducer.register_comm_hook(psgd.PowerSGDState(**opts), psgd.powerSGD_hook)
+        ddp.register_comm_hook(psgd.PowerSGDState(**opts), psgd.powerSGD_hook)
+    elif hook_name == "recorder":
+        reducer.register_comm_hook(seen_ours, _buffer_recorder)
+        ddp.register_comm_hook(seen_ddp, _buffer_recorder)
+    out = []
+    for step in range(steps):
+        x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        x = x.to(memory_format=torch.channels_last)
+        model(x).square().sum().backward()
+        ddp(x).square().sum().backward()
+        same = (all(torch.equal(a, b) for a, b in zip(seen_ours, seen_ddp))
+                and len(seen_ours) == len(seen_ddp)
+                and all(torch.equal(a.grad, b.grad)
+                        for a, b in zip(mine.parameters(), theirs.parameters())))
+        strides = [(a.grad.stride(), b.grad.stride())
+                   for a, b in zip(mine.parameters(), theirs.parameters())]
+        out.append((same, all(s == t for s, t in strides), strides))
+        for m in (mine, theirs):
+            m.zero_grad()
+        seen_ours.clear()
+        seen_ddp.clear()
+    if api != "ddp":
+        reducer.close()
+    return out
+
+
+@pytest.mark.parametrize("api", ["fused_bucketing", "eager", "ddp"])
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "view"])
+@pytest.mark.parametrize("hook_name", ["none", "recorder", "powerSGD"])
+def test_permuted_parameters_fill_the_bucket_in_memory_order(dist_run, hook_name, view, api):
+    # DDP's bucket holds a channels_last or transposed parameter in its memory order (its
+    # slot is viewed with the parameter's strides), so a hook sees those bytes, PowerSGD
+    # compresses them, and with gradient_as_bucket_view the .grad has the parameter's
+    # strides
+    for same, strides_equal, strides in dist_run(_permuted_vs_ddp, hook_name, view, api,
+                                                 world_size=2, timeout=60)[0]:
+        assert same
+        assert strides_equal, strides
 
 
 def _powersgd_many_buckets_vs_serial(steps=7):

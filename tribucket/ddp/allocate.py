@@ -79,7 +79,9 @@ def build_buckets(config: ReducerConfig, layout: BucketLayout, params: list[torc
                 tail = shards[b].padded_numel - spec.numel
             mem = BucketMemory(spec, bparams, wire_dtype(comm.traits, spec.dtype), plan,
                                always_view=config.gradient_as_bucket_view,
-                               eager=eager_pack(config, spec, device), tail=tail)
+                               eager=eager_pack(config, spec, device), tail=tail,
+                               # the sharded optimizer's flat parameters are in logical order
+                               memory_order=shards is None)
             if config.gradient_as_bucket_view and any(q.grad is not None for q in bparams):
                 # (rebuild) carry the accumulated gradients over and view the new bucket
                 buf = mem.pack([q.grad for q in bparams], 1.0)

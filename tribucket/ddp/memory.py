@@ -34,14 +34,36 @@ def _use_count(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+def memory_strides(p: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides of ``p`` when its slot holds it in memory order, as DDP's bucket does (a
+    dense layout in a permuted order, such as channels_last or a transposed weight: DDP
+    views its slot with the parameter's strides); None when the slot holds it in logical
+    order (a contiguous parameter, or one with gaps between its elements)."""
+    if p.is_contiguous():
+        return None
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(p.stride(), p.shape) if n > 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(p.stride())
+
+
+def _in_order(g: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    """Whether ``g``'s elements lie in memory as a tensor of ``strides`` holds them."""
+    return all(a == b for a, b, n in zip(g.stride(), strides, g.shape) if n > 1)
+
+
 class BucketMemory:
     __slots__ = ("bucket", "params", "dtype", "plan", "always_view", "transfer", "active",
                  "lent", "eager", "_ptr_offsets", "_contiguous", "_gaps", "_base_count",
                  "_mode", "_copied", "_checked", "_checked_unpack", "tail", "_dense",
-                 "_packed", "_views", "_views_of", "_views_count", "_whole", "_scale")
+                 "_packed", "_views", "_views_of", "_views_count", "_whole", "_scale",
+                 "_strides", "_lendable")
 
     def __init__(self, bucket: Bucket, params: list[torch.Tensor], wire_dtype: torch.dtype,
-                 plan, always_view: bool, eager: bool = False, tail: int = 0):
+                 plan, always_view: bool, eager: bool = False, tail: int = 0,
+                 memory_order: bool = True):
         self.bucket = bucket             # layout of the bucket
         self.params = params             # its parameters, in layout order
         self.dtype = wire_dtype          # dtype of the flat buffer (the wire)
@@ -54,6 +76,12 @@ class BucketMemory:
         item = torch.empty((), dtype=wire_dtype).element_size()
         self._ptr_offsets = [off * item for off in bucket.offsets]  # byte offset per param
         self._contiguous = [p.is_contiguous() for p in params]
+        # per parameter: its strides when its slot holds it in memory order (channels_last,
+        # transposed), else None (``memory_order=False``: every slot in logical order, as the
+        # sharded optimizer's flat parameters are)
+        self._strides = [memory_strides(p) if memory_order else None for p in params]
+        # the slot, viewed with the parameter's strides, can become its .grad
+        self._lendable = [c or s is not None for c, s in zip(self._contiguous, self._strides)]
         self._gaps = self._gap_index(bucket)  # padding positions to zero in a new buffer
         self._base_count = None            # storage use count of a buffer nobody else holds
         # eager: copy each gradient into its slot the moment it is ready (CPU: it is still in
@@ -164,6 +192,27 @@ class BucketMemory:
             return self._views
         return None
 
+    def slot(self, buf: torch.Tensor, k: int) -> torch.Tensor:
+        """Parameter ``k``'s slot of ``buf`` in its shape (with its strides when the slot
+        holds it in memory order)."""
+        off, strides = self.bucket.offsets[k], self._strides[k]
+        if strides is None:
+            return buf.narrow(0, off, self.bucket.sizes[k]).view(self.params[k].shape)
+        if buf.stride(0) != 1:
+            buf = buf.contiguous()  # (a hook's result with a step)
+        return buf.as_strided(self.params[k].shape, strides, buf.storage_offset() + off)
+
+    def _flat(self, k: int, g: torch.Tensor) -> torch.Tensor:
+        """Gradient ``g`` of parameter ``k`` as the 1-D contiguous run its slot holds: a
+        view of ``g`` when its elements already lie in that order, else a copy."""
+        strides = self._strides[k]
+        if strides is None:
+            return g if g.is_contiguous() else g.contiguous()
+        if not _in_order(g, strides):
+            g = torch.empty_strided(g.shape, strides, dtype=g.dtype,
+                                    device=g.device).copy_(g)
+        return g.as_strided((g.numel(),), (1,))
+
     def is_view(self, k: int, g: torch.Tensor | None, buf: torch.Tensor | None) -> bool:
         """Whether gradient ``g`` of parameter ``k`` is its slice of ``buf``."""
         return (g is not None and buf is not None and g.dtype == buf.dtype
@@ -200,8 +249,7 @@ class BucketMemory:
         else:
             # the slot in the gradient's shape: the buffer's cached .grad views when the
             # bucket is dense (one C++ call per buffer instead of two views per gradient)
-            slot = (self._whole_views(buf)[k] if self._dense else
-                    buf.narrow(0, self.bucket.offsets[k], self.bucket.sizes[k]).view(g.shape))
+            slot = self._whole_views(buf)[k] if self._dense else self.slot(buf, k)
             if scale == 1.0 and g.dtype == buf.dtype:
                 slot.copy_(g)
             elif g.dtype == buf.dtype == torch.float32:
@@ -210,7 +258,7 @@ class BucketMemory:
                 torch.mul(g, self._factor(scale), out=slot)
             else:
                 torch.mul(g, scale, out=slot)  # fp32 math, one rounding cast
-            if self.transfer and self._contiguous[k]:
+            if self.transfer and self._lendable[k]:
                 # point .grad at its slot now, as DDP does: autograd's tensor is freed at once
                 # and its memory is reused (still in cache) by the next gradient
                 self.params[k].grad = slot
@@ -242,9 +290,11 @@ class BucketMemory:
             return lent
         buf = self._acquire()
         if not self._dense:
-            # the kernels take dense, contiguous sources (a channels_last gradient is copied);
-            # a contiguous parameter's gradient is contiguous (autograd's layout contract)
-            grads = [g if g is None or g.is_contiguous() else g.contiguous() for g in grads]
+            # the kernels take dense, contiguous sources: a channels_last gradient in the
+            # parameter's layout is read as it lies (its slot holds it in memory order); a
+            # contiguous parameter's gradient is contiguous (autograd's layout contract)
+            grads = [g if g is None or g.is_contiguous() else self._flat(k, g)
+                     for k, g in enumerate(grads)]
         self._packed = True
         self.plan.pack(grads, self.body(buf), scale=scale, check=not self._checked)
         self._checked = True  # same tensors every iteration: validate them once
@@ -280,8 +330,8 @@ class BucketMemory:
                 g = q.grad
                 if self.is_view(k, g, buf):
                     continue
-                view = buf.narrow(0, self.bucket.offsets[k], self.bucket.sizes[k]).view(q.shape)
-                if self._contiguous[k] or self.always_view:
+                view = self.slot(buf, k)
+                if self._lendable[k] or self.always_view:
                     q.grad = view
                 elif g is None:
                     q.grad = view.clone(memory_format=torch.preserve_format)
@@ -302,8 +352,12 @@ class BucketMemory:
                 # used on another rank only: receives the average
                 g = q.grad = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             if g is not None and not g.is_contiguous():
-                strided.append((g, k))  # e.g. channels_last: unpacked through a copy
-                g = None
+                s = self._strides[k]
+                if s is not None and _in_order(g, s):
+                    g = g.as_strided((g.numel(),), (1,))  # in its slot's order: written as is
+                else:
+                    strided.append((g, k))  # unpacked through a copy
+                    g = None
             grads.append(g)
         if strided:
             stats = None  # some gradients are written apart: the figures are read later
@@ -311,8 +365,7 @@ class BucketMemory:
                          grads, check=not self._checked_unpack, stats=stats)
         self._checked_unpack = True
         for g, k in strided:
-            off, n = self.bucket.offsets[k], self.bucket.sizes[k]
-            g.copy_(result.narrow(0, off, n).view(g.shape))
+            g.copy_(self.slot(result, k))
         return stats is not None
 
     def zeros(self) -> torch.Tensor:
