@@ -145,7 +145,7 @@ def test_fused_bucketing_takes_a_config_object(dist_run):
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_gradient_as_bucket_view(dist_run, set_to_none):
     cases = [(n, dict(d, gradient_as_bucket_view=True), dict(t, gradient_as_bucket_view=True))
-             for n, d, t in CASES if n in ("mlp", "mixed", "branchy", "bn")]
+             for n, d, t in CASES if n in ("mlp", "mixed", "branchy", "bn", "bn_channels_last")]
     dist_run(_parity_many, cases, set_to_none=set_to_none, world_size=2, timeout=240)
 
 
