@@ -196,8 +196,11 @@ def test_trainer_habit_like_ddp(dist_run, habit):
 
 
 @pytest.mark.dist
-def test_find_unused_parameters_like_ddp(dist_run):
-    _check(dist_run(_fit_both, dict(unused_head=True), {},
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_find_unused_parameters_like_ddp(dist_run, manual):
+    # manual optimization: the backward runs inside the wrapper's forward, whose output
+    # (None) reaches no parameter; the unused ones are those the loss does not reach
+    _check(dist_run(_fit_both, dict(unused_head=True, manual=manual), {},
                     "tribucket_find_unused_parameters_true", "ddp_find_unused_parameters_true",
                     timeout=180))
 

@@ -351,6 +351,67 @@ def test_two_forwards_then_one_backward_with_batchnorm(dist_run, mode):
     assert all(dist_run(_two_forwards_one_backward, mode, world_size=2))
 
 
+# ---------------------------------------------------------------- backward inside the forward
+class _BackwardInside(nn.Module):
+    """A forward that runs its own backward (Lightning's manual optimization runs the
+    training step, backward included, through the wrapper's forward) and returns None;
+    ``spare`` (if ``spare``) is never used."""
+
+    def __init__(self, spare: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.head = nn.Linear(4, 3), nn.Linear(3, 1)
+        self.spare = nn.Linear(3, 1) if spare else None
+        self.reducer = None
+
+    def forward(self, x, sync: bool, prepare: bool):
+        loss = self.head(torch.tanh(self.lin(x))).square().sum()
+        with contextlib.nullcontext() if sync else self.reducer.no_sync():
+            if prepare:
+                self.reducer.prepare_for_backward(loss)
+            loss.backward()
+
+
+def _backward_inside(find_unused: bool, prepare: bool):
+    """Accumulate two micro-batches (the first under no_sync) twice; per micro-batch,
+    whether each gradient is what it must be: this rank's own sum under no_sync, else the
+    average over the ranks of their sums."""
+    rank = dist.get_rank()
+    model, local = _BackwardInside(find_unused), _BackwardInside(find_unused)
+    out = []
+    with tribucket.fused_bucketing(model, find_unused_parameters=find_unused) as reducer:
+        model.reducer = reducer
+        for step, sync in enumerate([False, True, False, True]):
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x, sync, prepare)
+            local.head(torch.tanh(local.lin(x))).square().sum().backward()
+            ok = []
+            for (name, p), q in zip(model.named_parameters(), local.parameters()):
+                want = None if q.grad is None else q.grad.clone()
+                if sync and want is not None:
+                    dist.all_reduce(want)
+                    want /= dist.get_world_size()
+                ok.append((name, want is None and p.grad is None or
+                           want is not None and p.grad is not None and
+                           torch.allclose(p.grad, want, rtol=1e-6, atol=1e-7)))
+            out.append((step, ok))
+            if sync:
+                model.zero_grad()
+                local.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("find_unused,prepare", [(False, False), (False, True), (True, True)],
+                         ids=["plain", "prepared", "find_unused"])
+def test_backward_inside_the_forward(dist_run, find_unused, prepare):
+    # the backward decides whether it averages when it runs (no_sync inside the forward
+    # counts); with find_unused_parameters, reducer.prepare_for_backward(loss) names the
+    # parameters it reaches (the forward's output, None, reaches none)
+    for step, ok in dist_run(_backward_inside, find_unused, prepare, world_size=2,
+                             timeout=60)[0]:
+        assert all(good for _, good in ok), (step, ok)
+
+
 # ---------------------------------------------------------------- unusual parameters
 class OddParameters(nn.Module):
     """``gapped``: a parameter that is a column slice of a larger tensor (strides with gaps,

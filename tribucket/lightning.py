@@ -204,7 +204,11 @@ class FusedBucketingStrategy(_PLDDPStrategy):
                 yield
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        pass  # the reducer's hooks see every backward; nothing to prepare (manual optimization too)
+        # manual optimization: the backward runs inside the wrapper's forward, whose output
+        # (the training step's, often None) does not lead to the loss: prepare it from the
+        # loss, as Lightning's DDP strategy does for DDP's reducer
+        if self.reducer is not None and not self.lightning_module.automatic_optimization:
+            self.reducer.prepare_for_backward(closure_loss)
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         pass

@@ -71,6 +71,9 @@ class Forward:
         if self.frozen and any(p.requires_grad for _, p in self.frozen):
             # (before this forward's collectives: every rank that unfroze raises here)
             raise RuntimeError(unfrozen_error([n for n, p in self.frozen if p.requires_grad]))
+        # a backward begun inside this forward (before its output exists) decides whether it
+        # averages when it runs, not by the last forward's decision
+        bw.fwd_sync = None
         bw.joining = joining  # (a pass under join() reads its status at once)
         if self.step_boundary is not None and bw.pass_ is None:
             self.step_boundary()
@@ -117,12 +120,27 @@ class Forward:
             bw.forwards += 1  # a training step; compared across ranks at its backward
         self.require_param_sync = sync
         bw.fwd_sync = sync
-        outs = output_tensors(output)
+        # the tensors the forward left beside its output for the loss (an MoE layer's
+        # aux_loss) count as outputs: a parameter only they reach is used if the loss takes
+        # them, and unused at the end of backward (no gradient) if it does not
+        self._await_backward(output_tensors(output), sync, lambda: stop_aux_outputs(self))
+
+    def prepare_backward(self, output: Any) -> None:
+        """A backward from ``output`` that the forward's output does not lead to (one run
+        inside the forward, as under Lightning's manual optimization): it averages if
+        synchronisation is on now, and with ``find_unused_parameters`` the parameters it
+        leaves unused are those ``output`` does not reach."""
+        if torch.is_grad_enabled():
+            bw = self.bw
+            bw.fwd_sync = bw.sync_enabled
+            self._await_backward(output_tensors(output), bw.fwd_sync, list)
+
+    def _await_backward(self, outs: list, sync: bool, aux: Callable[[], list]) -> None:
+        """Expect a backward from ``outs``: with ``find_unused_parameters`` (synchronised),
+        the parameters neither they nor ``aux()`` reach are unused."""
+        bw = self.bw
         if sync and self.config.dynamic_unused:
-            # the tensors the forward left beside its output for the loss (an MoE layer's
-            # aux_loss) count as outputs: a parameter only they reach is used if the loss
-            # takes them, and unused at the end of backward (no gradient) if it does not
-            reached = reachable_parameters(outs + stop_aux_outputs(self))
+            reached = reachable_parameters(outs + aux())
             bw.unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
             if self.config.skip_all_reduce_unused_params:
                 bw.start_skip_agreement()

@@ -316,6 +316,15 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         finally:
             bw.sync_enabled = old
 
+    def prepare_for_backward(self, output: Any) -> None:
+        """Prepare a backward that starts from ``output`` (tensors, or containers of them)
+        rather than from the forward's output, as torch's reducer method of this name: a
+        backward run inside the module's forward (Lightning's manual optimization calls
+        this from its strategy). It averages if synchronisation is on at this call (not
+        under ``no_sync``); with ``find_unused_parameters=True`` the parameters unused in it
+        are those ``output`` does not reach."""
+        self._forward.prepare_backward(output)
+
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Register ``hook(state, bucket) -> Future[Tensor]`` to reduce each bucket.
 
