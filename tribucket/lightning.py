@@ -59,6 +59,7 @@ from .amp import GradScaler
 from .clip import clip_grad_norm_
 from .config import ReducerConfig
 from .ddp import Reducer
+from .ddp.resume import own_entries
 
 __all__ = ["FusedBucketingStrategy", "FusedBucketingFabricStrategy", "CHECKPOINT_KEY"]
 
@@ -224,8 +225,23 @@ class FusedBucketingStrategy(_PLDDPStrategy):
     # -- checkpoints: the reducer's state beside the module's
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         if self.reducer is not None and "optimizer_states" in checkpoint:  # not weights_only
-            checkpoint = {**checkpoint, CHECKPOINT_KEY: self.reducer.state_dict()}
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: self._reducer_state()}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _reducer_state(self) -> dict:
+        """The reducer's state with every rank's own entries in it (a comm hook's per-rank
+        state such as PowerSGD's error feedback; expert reducers'): Lightning writes rank 0's
+        checkpoint only, and on resume each rank loads its own entries from it. Every rank
+        calls ``save_checkpoint``; the entries travel to rank 0 in one gather."""
+        state = self.reducer.state_dict()
+        world, rank = self.reducer.world_size, self.reducer.rank
+        if world == 1:
+            return state
+        gathered = [None] * world if rank == 0 else None
+        torch.distributed.gather_object(own_entries(state, rank), gathered, dst=0)
+        for entries in gathered or ():
+            state.update(entries)
+        return state
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)

@@ -23,7 +23,7 @@ from .hookcall import hook_name
 from .model import verify_state_across_ranks
 
 __all__ = ["state_dict", "read_state_dict", "agree_across_ranks", "with_expert_states",
-           "expert_states"]
+           "expert_states", "own_entries"]
 
 _STATE_VERSION = 2
 _SHARED_KEY = "hook_state"
@@ -58,6 +58,12 @@ def with_expert_states(state: dict, expert_reducers: list, rank: int) -> dict:
         state[f"{_EXPERT_KEY}.rank{rank}"] = {str(i): r.state_dict()
                                               for i, r in enumerate(expert_reducers)}
     return state
+
+
+def own_entries(state: dict, rank: int) -> dict:
+    """The entries of ``state`` that are ``rank``'s own (its comm hook state, its expert
+    reducers'): what a checkpoint written by one rank must gather from the others."""
+    return {k: v for k, v in state.items() if k.endswith(f".rank{rank}")}
 
 
 def check_is_reducer_state(state: Any) -> None:
