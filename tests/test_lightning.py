@@ -315,6 +315,38 @@ def test_validate_on_every_rank_like_ddp(dist_run):
     assert results[0] == results[1]  # sync_dist: every rank reports the same mean
 
 
+class _ValLosses(L.Callback):
+    def __init__(self):
+        self.values = []
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self.values.append(float(trainer.callback_metrics["val_loss"]))
+
+
+def _validate_during_fit() -> dict:
+    """val_check_interval=2 on the BatchNorm model: the val_loss of each validation run
+    inside fit, under each strategy (each rank evaluates with the buffers it holds)."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for strategy in ("ddp", "tribucket"):
+            L.seed_everything(dist.get_rank() + 1, verbose=False)
+            record = _ValLosses()
+            _trainer(strategy, tmp, val_check_interval=2, callbacks=[record]).fit(
+                Net(), _loader(), _loader(seed=1))
+            out[strategy] = record.values
+    return out
+
+
+@pytest.mark.dist
+def test_validation_during_fit_like_ddp(dist_run):
+    # Lightning validates on every rank: the strategy broadcasts rank 0's buffers before a
+    # validation that follows training, as DDP does (BatchNorm statistics)
+    for values in dist_run(_validate_during_fit, timeout=180):
+        assert len(values["ddp"]) >= 2
+        torch.testing.assert_close(torch.tensor(values["tribucket"]),
+                                   torch.tensor(values["ddp"]), **TOL)
+
+
 # ------------------------------------------------------------------------ options, MoE
 class MoENet(L.LightningModule):
     """A tribucket.moe.MoELayer between two dense layers (2 experts per rank)."""

@@ -157,6 +157,7 @@ class FusedBucketingStrategy(_PLDDPStrategy):
       ``"allreduce"``, or any comm hook callable (torch's contract), with ``hook_state``;
     * ``**options``: :func:`tribucket.fused_bucketing`'s (``bucket_cap_mb``,
       ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``, ...);
+      ``broadcast_buffers`` defaults to ``"ddp"`` here (Lightning evaluates on every rank);
     * ``process_group_backend``, ``timeout``, ``start_method``: as ``DDPStrategy``'s.
 
     Example::
@@ -175,6 +176,10 @@ class FusedBucketingStrategy(_PLDDPStrategy):
                          precision_plugin=precision_plugin,
                          process_group_backend=process_group_backend, timeout=timeout,
                          start_method=start_method)
+        # Lightning validates on every rank: DDP's buffer rule (rank 0's buffers broadcast
+        # before a forward that follows a training one, evaluation included) is safe here
+        # and gives DDP's validation metrics (BatchNorm statistics)
+        options = {"broadcast_buffers": "ddp", **options}
         self._hook, self._hook_state, self._options = _options(hook, hook_state, options)
         self.reducer: Reducer | None = None  #: the reducer while fitting
         self._restored: dict | None = None  # reducer state read from ckpt_path
