@@ -463,3 +463,6 @@ def test_bad_options_are_named():
         FusedBucketingStrategy(hook="fp8")
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         FusedBucketingStrategy(bucket_cap_mb=-1)
+    # Lightning builds a plain optimizer in configure_optimizers: the shards would go unused
+    with pytest.raises(ValueError, match="shard_optimizer=True.*configure_optimizers"):
+        FusedBucketingStrategy(shard_optimizer=True)

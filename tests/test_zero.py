@@ -350,16 +350,24 @@ def _misuse():
                 pass
         except ValueError as e:
             out.append(str(e))
+        # a plain torch optimizer: the averaged gradients are in the shards, not in .grad
+        plain = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(_batch(dist.get_rank(), 0)).square().mean().backward()
+        try:
+            plain.step()
+        except RuntimeError as e:
+            out.append(str(e))
     return out
 
 
 def test_misuse_errors(dist_run):
     msgs = dist_run(_misuse, world_size=2)[0]
-    assert len(msgs) == 4, msgs
+    assert len(msgs) == 5, msgs
     assert "shard_optimizer=True" in msgs[0]
     assert "(2, 2)" in msgs[1] and "separate torch optimizer" in msgs[1]
     assert "fp16_compress_hook" in msgs[2]
     assert "Join" in msgs[3] and "shard_optimizer=True" in msgs[3]
+    assert "SGD" in msgs[4] and "tribucket.ShardedOptimizer(reducer, torch.optim.SGD" in msgs[4]
 
 
 def test_shard_bookkeeping():

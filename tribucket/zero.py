@@ -110,6 +110,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # torch.amp.GradScaler hands such an optimizer its scale instead of unscaling .grad
     # (there is none here): step() sees it and refuses, with the reason
     _step_supports_amp_scaling = True
+    # it steps the reducer's shards and counts its steps itself (optsteps.stepped)
+    steps_shards = True
 
     def __init__(self, reducer, optimizer_class: type, params: Iterable | None = None, *,
                  assume_elementwise: bool = False, overlap_param_gather: bool = True,

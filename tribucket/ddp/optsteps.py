@@ -70,6 +70,17 @@ def _owners(opt: torch.optim.Optimizer) -> list:
 
 
 def _post_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if _LIVE:
+    if _LIVE and not getattr(opt, "steps_shards", False):  # (ShardedOptimizer: stepped)
         for bw in _owners(opt):
+            if bw.shards is not None:
+                raise RuntimeError(sharded_step_error(opt))
             bw.opt_steps += 1
+
+
+def sharded_step_error(opt: torch.optim.Optimizer) -> str:
+    """The misuse message when a torch optimizer steps parameters whose reducer shards."""
+    name = type(opt).__name__
+    return (f"tribucket: a {name} stepped parameters of a reducer built with "
+            "shard_optimizer=True, whose averaged gradients are in its shards, not in .grad: "
+            f"the step used none of them. Step them with tribucket.ShardedOptimizer(reducer, "
+            f"torch.optim.{name}, ...), or enter without shard_optimizer=True")
