@@ -555,6 +555,22 @@ def test_a_model_without_trainable_parameters_is_refused(dist_run):
         assert message is not None and "no parameter that requires a gradient" in message
 
 
+def _every_parameter_ignored():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    try:
+        tribucket.fused_bucketing(model, ignore_parameters=list(model.parameters()))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ignoring_every_parameter_is_refused(dist_run):
+    # as torch DDP: nothing would be averaged
+    for message in dist_run(_every_parameter_ignored, world_size=2, timeout=60):
+        assert message is not None and "ignore_parameters" in message, message
+        assert "nothing to average" in message, message
+
+
 def _unmaterialized(kind: str, api: str):
     """A model whose parameters have no storage yet: built on the meta device (to be
     materialized with ``to_empty``), or holding a lazy module before its first forward."""

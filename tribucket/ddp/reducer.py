@@ -23,6 +23,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from .. import _exit
 from .._env import describe_backend
+from .._tags import is_expert_parallel
 from ..comm import broadcast_coalesced
 from ..config import ReducerConfig, check_process_group
 from ..hooks import _hook_traits
@@ -45,6 +46,18 @@ from .watchdog import CommGuard
 __all__ = ["Reducer", "ReducerStats", "fused_bucketing"]
 
 logger = logging.getLogger("tribucket")
+
+
+
+def _all_ignored(module: nn.Module, view) -> str | None:
+    """Why a reducer over ``module`` would average nothing although the model trains: every
+    trainable parameter it has is in ``ignore_parameters`` (torch DDP refuses it too)."""
+    if view.params or view.problem is not None or any(
+            is_expert_parallel(p) for p in module.parameters()):
+        return None
+    return ("every parameter that requires a gradient is in ignore_parameters, so there is "
+            "nothing to average across ranks: train the model without fused_bucketing, or "
+            "leave the parameters meant to be averaged out of ignore_parameters")
 
 
 class Reducer(DDPCompat, ShardAccess, Joinable):
@@ -97,8 +110,11 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
             # same model and options everywhere: checked on the user's group, before the
             # timed group is created (ranks that disagree on timeout= would not all create it)
             self._native_ext = self._load_native()
+            problems = (self._trace_problem(config.trace),
+                        _all_ignored(module, view) if _only is None else None)
             verify_across_ranks(view, self.process_group, self.world_size, config,
-                                self._native_facts(), self._trace_problem(config.trace))
+                                self._native_facts(),
+                                "; ".join(filter(None, problems)) or None)
             # the reducer's own collectives: a group with the timeout, failure diagnosis, debug
             self._guard = CommGuard(self.process_group, self.rank, self.world_size,
                                     self._device, config.timeout, config.debug)
