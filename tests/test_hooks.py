@@ -259,6 +259,79 @@ def test_permuted_parameters_fill_the_bucket_in_memory_order(dist_run, hook_name
         assert strides_equal, strides
 
 
+def _contiguous_grads_of_permuted_parameters(api: str, hook: bool, steps: int = 3):
+    """``.grad`` preset to contiguous zeros before each backward (autograd accumulates into
+    them, keeping their layout) on channels_last and transposed parameters: per step, the
+    largest difference from DDP's gradients."""
+    rank = dist.get_rank()
+    mine, theirs = _Permuted(), _Permuted()
+    ddp = DDP(theirs)
+    reducer = tribucket.fused_bucketing(mine, pack_on_ready=api == "eager").__enter__()
+    if hook:  # tribucket's fp16 wire: the result is unpacked into the gradients
+        reducer.register_comm_hook(None, hooks.fp16_compress_hook)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    out = []
+    for step in range(steps):
+        for m in (mine, theirs):
+            for p in m.parameters():
+                p.grad = torch.zeros(p.shape)  # contiguous, whatever the parameter's layout
+        x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        x = x.to(memory_format=torch.channels_last)
+        mine(x).square().sum().backward()
+        ddp(x).square().sum().backward()
+        out.append(max(((a.grad - b.grad).abs().max() / b.grad.abs().max()).item()
+                       for a, b in zip(mine.parameters(), theirs.parameters())))
+    reducer.close()
+    return out
+
+
+@pytest.mark.parametrize("api,hook", [("fused_bucketing", False), ("eager", False),
+                                      ("fused_bucketing", True)])
+def test_contiguous_grads_of_permuted_parameters_as_ddp(dist_run, api, hook):
+    tol = 2e-3 if hook else 0.0  # (fp16 on the wire: one rounding of each average)
+    for diffs in dist_run(_contiguous_grads_of_permuted_parameters, api, hook, world_size=2,
+                          timeout=60):
+        assert max(diffs) <= tol, diffs
+
+
+class _UsedOnRankOne(nn.Module):
+    """Two channels_last convolutions; ``b`` is used on rank 1 only."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        self.b = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+
+    def forward(self, x):
+        return self.a(x) if dist.get_rank() == 0 else self.a(x) + self.b(x)
+
+
+def _permuted_used_elsewhere(hook):
+    """find_unused_parameters: rank 0's ``b.weight.grad`` is created to receive the
+    average (``hook``: tribucket's fp16 hook, whose fp16 result is unpacked, not lent;
+    torch's on DDP); per parameter, whether its value and strides are DDP's."""
+    mine, theirs = _UsedOnRankOne(), _UsedOnRankOne()
+    ddp = DDP(theirs, find_unused_parameters=True)
+    with tribucket.fused_bucketing(mine, find_unused_parameters=True) as reducer:
+        if hook:
+            reducer.register_comm_hook(None, hooks.fp16_compress_hook)
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+        x = x.to(memory_format=torch.channels_last)
+        mine(x).sum().backward()
+        ddp(x).sum().backward()
+        return [(n, torch.allclose(p.grad, q.grad, rtol=2e-3, atol=1e-3) if hook else
+                 torch.equal(p.grad, q.grad), p.grad.stride() == q.grad.stride())
+                for (n, p), q in zip(mine.named_parameters(), theirs.parameters())]
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["lent", "fp16_hook"])
+def test_a_permuted_gradient_created_for_the_average_has_ddps_strides(dist_run, hook):
+    for result in dist_run(_permuted_used_elsewhere, hook, world_size=2, timeout=60):
+        assert all(same and strides for _, same, strides in result), result
+
+
 def _powersgd_many_buckets_vs_serial(steps=7):
     """PowerSGD over many buckets (DDP aborts on gloo here): tribucket's result equals
     running torch's hook on the same buckets strictly one after the other."""

@@ -291,10 +291,10 @@ class BucketMemory:
         buf = self._acquire()
         if not self._dense:
             # the kernels take dense, contiguous sources: a channels_last gradient in the
-            # parameter's layout is read as it lies (its slot holds it in memory order); a
-            # contiguous parameter's gradient is contiguous (autograd's layout contract)
-            grads = [g if g is None or g.is_contiguous() else self._flat(k, g)
-                     for k, g in enumerate(grads)]
+            # parameter's layout is read as it lies (its slot holds it in memory order), one
+            # in another layout (a contiguous .grad set by hand) through a copy in that order
+            grads = [g if g is None or (g.is_contiguous() and self._strides[k] is None)
+                     else self._flat(k, g) for k, g in enumerate(grads)]
         self._packed = True
         self.plan.pack(grads, self.body(buf), scale=scale, check=not self._checked)
         self._checked = True  # same tensors every iteration: validate them once
@@ -350,9 +350,9 @@ class BucketMemory:
             g = q.grad if targets[k] else None
             if targets[k] and g is None:
                 # used on another rank only: receives the average
-                g = q.grad = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            if g is not None and not g.is_contiguous():
-                s = self._strides[k]
+                g = q.grad = torch.empty_like(q, memory_format=torch.preserve_format)
+            s = self._strides[k]
+            if g is not None and (s is not None or not g.is_contiguous()):
                 if s is not None and _in_order(g, s):
                     g = g.as_strided((g.numel(),), (1,))  # in its slot's order: written as is
                 else:
