@@ -439,6 +439,34 @@ def test_skip_all_reduce_unused_params_averages_no_sync_gradients(dist_run):
         assert reduced == [1, 2, 1], reduced  # b's no_sync gradient is averaged, then skipped
 
 
+def _averaging_hook(state, bucket):
+    """A user's comm hook (tribucket runs such hooks one bucket after another)."""
+    t = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _skip_with_a_hook():
+    """``skip_all_reduce_unused_params=True`` with a user's comm hook: a skipped bucket
+    before a hooked one. Against DDP without the option and with the same hook (DDP with
+    it aborts on such tiny buckets)."""
+    kw = dict(find_unused_parameters=True, bucket_cap_mb=4096 / 2**20)
+    torch.manual_seed(0)
+    ours = tribucket.DistributedDataParallel(_Switch(), skip_all_reduce_unused_params=True,
+                                             **kw)
+    torch.manual_seed(0)
+    theirs = DDP(_Switch(), **kw)
+    for m in (ours, theirs):
+        m.register_comm_hook(None, _averaging_hook)
+    reduced = _switch_steps(ours, theirs, [(False, True), (True, True), (False, True)])
+    ours.close()
+    return [n for n, _ in reduced]
+
+
+def test_skip_all_reduce_unused_params_with_a_comm_hook(dist_run):
+    for reduced in dist_run(_skip_with_a_hook, timeout=60):
+        assert reduced == [1, 2, 1], reduced
+
+
 def _skip_unused_differs_across_ranks(**extra):
     """``skip_all_reduce_unused_params=True`` where the forward leaves a bucket unused on one
     rank and not on the other: the ranks agree before the first bucket, so that bucket is

@@ -404,12 +404,20 @@ class DenseBucket(_BucketBase):
         gb = GradBucket(self.index, buf, self.params, self.spec.offsets, is_last=self.is_last,
                         prescaled=comm.traits.prescale, process_group=comm.guard.group)
         if comm.traits.serialize:
-            prev = self.prev.handle.future if self.prev is not None else None
-            fut = invoke_after(prev, comm.hook, comm.hook_state, self.index, gb)
+            fut = invoke_after(self._previous_future(), comm.hook, comm.hook_state,
+                               self.index, gb)
         else:
             fut = invoke(comm.hook, comm.hook_state, self.index, gb)
         self.handle = _HookResult(fut, comm.hook, self.spec, self.index, comm.guard,
                                   self.describe(), p.iteration)
+
+    def _previous_future(self):
+        """The future of the last bucket before this one whose hook ran in this pass (a
+        skipped bucket, ``skip_all_reduce_unused_params``, ran none), or None."""
+        b = self.prev
+        while b is not None and b.handle is _NOTHING:
+            b = b.prev if isinstance(b, DenseBucket) else None
+        return None if b is None else getattr(b.handle, "future", None)
 
     def send_ready_chunks(self, p: Pass, comm: Comm) -> None:
         """Send each chunk whose gradients are all in (never the last one: that goes when the
