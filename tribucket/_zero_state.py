@@ -10,10 +10,14 @@ import torch
 _FORMAT = "tribucket.zero/1"
 
 
+#: the per-parameter scalars of the elementwise torch optimizers' states (a 0-dim
+#: parameter's own moments are 0-dim too: told apart by name)
+_SCALAR_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
+
+
 def _param_shaped(key: str, v: Any, shape: tuple) -> bool:
     """Whether state entry ``v`` holds one value per element of a parameter of ``shape``."""
-    return isinstance(v, torch.Tensor) and key != "step" and tuple(v.shape) == shape \
-        and v.dim() > 0
+    return isinstance(v, torch.Tensor) and key not in _SCALAR_KEYS and tuple(v.shape) == shape
 
 
 def _check_format(state: Any) -> None:
@@ -56,7 +60,7 @@ def merge_sharded_state_dicts(shards: list[dict]) -> dict:
                 dst = state.setdefault(u, {})
                 for key, v in st.items():
                     if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == length \
-                            and key != "step":
+                            and key not in _SCALAR_KEYS:
                         full = dst.get(key)
                         if full is None:
                             full = dst[key] = torch.zeros(_numel(shapes[u]), dtype=v.dtype,
@@ -66,7 +70,7 @@ def merge_sharded_state_dicts(shards: list[dict]) -> dict:
                         dst[key] = v.clone() if isinstance(v, torch.Tensor) else v
     for u, dst in state.items():
         for key, v in dst.items():
-            if isinstance(v, torch.Tensor) and v.dim() == 1 and key != "step" \
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and key not in _SCALAR_KEYS \
                     and v.numel() == _numel(shapes[u]):
                 dst[key] = v.view(shapes[u])
     groups = []

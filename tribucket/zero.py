@@ -160,6 +160,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         "of the reducer's model), so it has no gradient shard; give it to a "
                         "separate torch optimizer")
         self._flat, self._master, self._segments = self._build(shards, where, averaged)
+        self._where = where
+        # zero_grad(set_to_none=False) keeps a zero .grad on every parameter that had one:
+        # torch's optimizer steps those even where unused (momentum, weight decay)
+        self._set_to_none = True
+        self._had_grad: set[int] = set()  # reducer indices, since the last set_to_none
         inner_groups: list[dict] = []
         self._inner: list[_Segment | None] = []  # per wrapped-optimizer tensor
         for g, group in enumerate(groups):
@@ -329,6 +334,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.reducer.clear_grad_shards()
         for seg in self._segments:
             seg.tensor.grad = None
+        self._set_to_none = set_to_none
+        if set_to_none:
+            self._had_grad.clear()
         for p in self._user_params:
             if p.grad is not None:
                 if set_to_none:
@@ -361,10 +369,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                     else g.to(m.dtype))
             for seg in self._segments:
                 g = master_grads[seg.bucket]
-                if g is None or (used is not None and not any(used[i] for i in seg.params)):
-                    seg.tensor.grad = None  # no rank used it: torch would skip the parameter
-                else:
+                if g is not None and (used is None or any(used[i] for i in seg.params)):
                     seg.tensor.grad = g.narrow(0, seg.start, seg.length)
+                    self._had_grad.update(seg.params)
+                elif not self._set_to_none and self._had_grad.intersection(seg.params):
+                    # unused now, but torch's .grad is a zero tensor it steps (the shard
+                    # holds zeros where no rank had a gradient)
+                    seg.tensor.grad = (g.narrow(0, seg.start, seg.length) if g is not None
+                                       else torch.zeros_like(seg.tensor))
+                else:
+                    seg.tensor.grad = None  # no rank used it: torch skips the parameter
         self.optim.step()
         optsteps.stepped(self.reducer._bw)  # (its optimizer holds shards: not matched)
         self._gather_parameters()
@@ -475,6 +489,40 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optim.load_state_dict(state["optimizer"])
         self._options_up()
 
+    def _uneven_segment_states(self, saved_state: dict, ids: list) -> str | None:
+        """Why ``saved_state`` cannot load: two parameters that may share a flat segment
+        (neighbours in a bucket, one param group), which keeps one value of each scalar such
+        as ``step``, whose saved scalars differ, or one with state and one without. Read
+        from the whole layout, so every rank finds the same."""
+        cfg = self.reducer.config
+        if cfg.find_unused_parameters or cfg.static_graph:
+            return None  # one segment per parameter
+        names = {id(p): n for n, p in self.reducer.module.named_parameters()}
+
+        def scalars(u):
+            return _scalars(saved_state.get(ids[u]), tuple(self._user_params[u].shape))
+
+        for bucket in self.reducer.layout.buckets:
+            prev = None
+            for i in bucket.indices:
+                here = self._where.get(i)
+                if here is not None and prev is not None and prev[0] == here[0] and \
+                        scalars(prev[1]) != scalars(here[1]):
+                    a, b = (self._user_params[u] for u in (prev[1], here[1]))
+                    said = ["no state" if v is None else ", ".join(f"{k}={x}" for k, x in v)
+                            for v in (scalars(prev[1]), scalars(here[1]))]
+                    return (f"ShardedOptimizer.load_state_dict: parameters "
+                            f"{names.get(id(a), '?')!r} ({said[0]}) and "
+                            f"{names.get(id(b), '?')!r} ({said[1]}) of param group {here[0]} "
+                            "may share a flat segment of the wrapped optimizer, which keeps "
+                            "one value of each such scalar per segment; a torch optimizer "
+                            "steps them apart (a parameter without state, frozen or unused "
+                            "until now, starts fresh). Enter fused_bucketing with "
+                            "find_unused_parameters=True (a segment per parameter), or put "
+                            "them in separate param groups")
+                prev = here
+        return None
+
     def state_dict(self) -> dict:
         """The whole-model state in torch's structure (as ``optimizer_class`` over the same
         param groups would give it; fp32 state for fp16/bf16 parameters), gathered from
@@ -519,6 +567,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                  f"parameters, this optimizer {len(mine)}")
             ids += list(saved["params"])
         saved_state = state["state"]
+        problem = self._uneven_segment_states(saved_state, ids)
+        if problem is not None:  # (the same on every rank: read from the whole layout)
+            raise ValueError(problem)
         inner_state = {}
         for j, seg in enumerate(self._inner):
             if seg is None:
@@ -548,6 +599,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._options_up()
         for post in self._optimizer_load_state_dict_post_hooks.values():
             post(self)
+
+
+def _scalars(st: dict | None, shape: tuple) -> tuple | None:
+    """A parameter's saved scalars (``step``, ...) as comparable values; None: no state."""
+    if not st:
+        return None
+    return tuple(sorted((k, v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
+                        for k, v in st.items() if not _param_shaped(k, v, shape)))
 
 
 def _options(group: dict) -> dict:
