@@ -86,10 +86,11 @@ def _options(hook, hook_state, options: dict) -> tuple[Callable | None, Any, dic
     if options.get("shard_optimizer"):
         raise ValueError("shard_optimizer=True is not supported by the Lightning strategies: "
                          "the sharded reducer's gradients are stepped by a "
-                         "tribucket.ShardedOptimizer built over the reducer, which "
-                         "configure_optimizers (or the optimizer given to fabric.setup) cannot "
-                         "be (a plain optimizer would see no gradient). Drop the option, or write the loop with "
-                         "tribucket.fused_bucketing(model, shard_optimizer=True)")
+                         "tribucket.ShardedOptimizer built over the reducer, and the optimizer "
+                         "configure_optimizers returns (or fabric.setup is given) cannot be "
+                         "one (a plain optimizer would see no gradient). Drop the option, or "
+                         "write the loop with tribucket.fused_bucketing(model, "
+                         "shard_optimizer=True)")
     return _resolve_hook(hook), hook_state, options
 
 
