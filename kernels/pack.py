@@ -127,7 +127,9 @@ def _check_tensors(tensors, sizes, device, buf_dtype, scale, accumulate, *, pack
             set(map(_device, tensors)) <= {device}
             and tuple(map(torch.Tensor.numel, tensors)) == sizes
             and set(map(_layout, tensors)) <= {torch.strided}
-            and all(map(torch.Tensor.is_contiguous, tensors))):
+            and all(map(torch.Tensor.is_contiguous, tensors))
+            and not any(map(torch.Tensor.is_conj, tensors))
+            and not any(map(torch.Tensor.is_neg, tensors))):
         dtypes = set(map(_dtype, tensors))
         for d in dtypes:
             src, dst = (d, buf_dtype) if pack else (buf_dtype, d)
@@ -153,6 +155,12 @@ def _check_tensors(tensors, sizes, device, buf_dtype, scale, accumulate, *, pack
             raise ValueError(f"tensors[{i}] (shape {tuple(t.shape)}, stride {t.stride()}) is not "
                              f"dense and contiguous; pass t.contiguous() (channels_last "
                              f"tensors included)")
+        if t.is_conj() or t.is_neg():
+            # a lazy view: its values are not its bits, which the kernels read and write
+            kind, held, fix = (("conjugate", "the unconjugated", "resolve_conj")
+                               if t.is_conj() else ("negative", "the unnegated", "resolve_neg"))
+            raise ValueError(f"tensors[{i}] is a {kind} view (its memory holds {held} "
+                             f"values); pass t.{fix}()")
         if t.dtype not in dtypes:
             src, dst = (t.dtype, buf_dtype) if pack else (buf_dtype, t.dtype)
             if accumulate and (src not in FLOATING or dst not in FLOATING):

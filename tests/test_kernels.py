@@ -616,6 +616,15 @@ def test_call_validation(backend):
                     accumulate=True)
     with pytest.raises(ValueError, match="buffer has 9 elements"):
         plan.unpack(torch.zeros(9), good)
+    # lazy conjugate and negative views: contiguous, but their values are not their bits
+    z = torch.zeros(4, dtype=torch.complex64)
+    zplan = kernels.BucketPlan([4], [0], 4, "cpu", backend=backend)
+    with pytest.raises(ValueError, match=r"tensors\[0\] is a conjugate view.*resolve_conj"):
+        zplan.pack([z.conj()], torch.zeros(4, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"tensors\[0\] is a conjugate view.*resolve_conj"):
+        zplan.unpack(torch.zeros(4, dtype=torch.complex64), [z.conj()])
+    with pytest.raises(ValueError, match=r"tensors\[1\] is a negative view.*resolve_neg"):
+        plan.pack([good[0], torch._neg_view(good[1])], out)
 
 
 def test_functional_validation():
