@@ -73,7 +73,10 @@ def test_layout_invariants(case):
 @given(st.lists(st.tuples(st.sampled_from([torch.float32, torch.float16, torch.bfloat16,
                                             torch.float64, torch.int64, torch.int32,
                                             torch.uint8, torch.bool, torch.complex64,
-                                            torch.int8, torch.int16]),
+                                            torch.int8, torch.int16, torch.float8_e5m2,
+                                            torch.float8_e4m3fn, torch.float8_e5m2fnuz,
+                                            torch.float8_e4m3fnuz, torch.uint16,
+                                            torch.uint32, torch.uint64]),
                           st.sampled_from(["cpu", "meta"])),
                 min_size=1, max_size=22, unique=True))
 def test_unordered_map_emulation_matches_torch(keys):

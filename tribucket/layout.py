@@ -238,6 +238,8 @@ _SCALAR_TYPE_CODE = {  # c10::ScalarType enum values
     torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4,
     torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.complex32: 8,
     torch.complex64: 9, torch.complex128: 10, torch.bool: 11, torch.bfloat16: 15,
+    torch.float8_e5m2: 23, torch.float8_e4m3fn: 24, torch.float8_e5m2fnuz: 25,
+    torch.float8_e4m3fnuz: 26, torch.uint16: 27, torch.uint32: 28, torch.uint64: 29,
 }  # fmt: skip
 _DEVICE_TYPE_CODE = {"cpu": 0, "cuda": 1, "hip": 6, "xla": 9, "xpu": 12, "mps": 13, "meta": 14}
 # libstdc++ _Prime_rehash_policy::_M_next_bkt's table for small counts
