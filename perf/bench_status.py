@@ -10,6 +10,7 @@ allreduce alone, in one run: median of 50 timed calls after 10 warm-up, each aft
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -52,6 +53,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

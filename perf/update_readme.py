@@ -15,6 +15,7 @@ the markers, so no figure in the README or the docs is typed by hand:
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import re
@@ -280,5 +281,17 @@ def update(names: list[str] | None = None) -> list[str]:
     return done
 
 
+def known_tables() -> set[str]:
+    """The table names the pages' markers hold."""
+    return {m.group(2) for page in pages() for m in _MARKER.finditer(page.read_text())}
+
+
 if __name__ == "__main__":
-    print("updated:", ", ".join(update(sys.argv[1:] or None)) or "nothing")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="tables to rewrite (default: every one)")
+    args = parser.parse_args()
+    unknown = sorted(set(args.names) - known_tables())
+    if unknown:
+        parser.error(f"no page has the tables {unknown}; the tables are "
+                     f"{sorted(known_tables())}")
+    print("updated:", ", ".join(update(args.names or None)) or "nothing")

@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -225,3 +227,27 @@ def test_tables_are_generated_from_perf_results():
     assert "headline" in seen
     missing = {md.stem for md in (ROOT / "perf" / "results").glob("*.md")} - seen
     assert not missing, f"no page shows the perf tables {sorted(missing)}"
+
+
+def test_perf_scripts_answer_help_without_running(tmp_path):
+    # --help prints the usage and exits 0; it must not run a benchmark (which rewrites the
+    # committed results). The scripts start side by side (each pays torch's import).
+    results = ROOT / "perf" / "results"
+    before = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
+    scripts = sorted(p for p in (ROOT / "perf").glob("*.py")
+                     if p.name.startswith(("bench", "update")))
+    procs = {p.name: subprocess.Popen([sys.executable, str(p), "--help"], cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True) for p in scripts}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, (name, err[-2000:])
+        assert "usage" in out.lower(), (name, out[:500])
+    assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before
+
+
+def test_update_readme_refuses_an_unknown_table(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "perf" / "update_readme.py"), "stepp"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "stepp" in proc.stderr and "step" in proc.stderr, proc.stderr
