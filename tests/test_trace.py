@@ -282,6 +282,29 @@ def test_cli_says_when_a_trace_has_nothing_to_show(tmp_path, capsys):
     assert (tmp_path / "forward.png").read_bytes()[:4] == b"\x89PNG"
 
 
+
+@pytest.mark.parametrize("change", [
+    {"dur": None}, {"dur": "5"}, {"args": [1]}, {"name": 5}, {"pid": [0]},
+    {"args": {"step": None}}, {"args": {"step": 0, "bytes": "x"}}])
+def test_cli_names_a_field_of_the_wrong_type(tmp_path, capsys, change):
+    # JSON that parses but holds a field of the wrong type: a clear error, exit 2
+    ev = {"ph": "X", "name": "bucket0.allreduce", "ts": 0.0, "dur": 5.0, "pid": 0, "tid": 0,
+          "args": {"step": 0, "bytes": 64}}
+    path = tmp_path / "typed.json"
+    path.write_text(json.dumps({"traceEvents": [{**ev, **change}]}))
+    assert cli_main([str(path), "--no-png"]) == 2
+    err = capsys.readouterr().err
+    assert "malformed trace" in err and next(iter(change)) in err, err
+
+
+def test_cli_reports_an_unwritable_png(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "name": "moe0.dispatch", "ts": 0.0, "dur": 5.0, "pid": 0, "tid": 0,
+         "args": {"step": 0}}]}))
+    assert cli_main([str(path), "--png", str(tmp_path / "no" / "such" / "x.png")]) == 2
+    assert "cannot write" in capsys.readouterr().err
+
 # ------------------------------------------------------------------ one process
 def test_make_tracer_choices(tmp_path, monkeypatch):
     monkeypatch.delenv(trace.ENV, raising=False)

@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tribucket.trace: no PNG ({e}); pip install 'tribucket[trace]' (matplotlib)",
               file=sys.stderr)
         return 1
+    except OSError as e:
+        print(f"tribucket.trace: cannot write the timeline {out}: {e}; pass --png with a "
+              "path in a folder you can write, or --no-png", file=sys.stderr)
+        return 2
     print(f"timeline: {out}")
     return 0
 

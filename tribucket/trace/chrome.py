@@ -145,6 +145,33 @@ def load(path: str | os.PathLike) -> dict:
     return trace
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _wrong_field(ev: dict, ph: str) -> str | None:
+    """What is of the wrong type in a well-formed event's fields, or None."""
+    args = ev.get("args", {})
+    if not isinstance(ev["name"], str):
+        return f"name={ev['name']!r} is not a string"
+    if ph == "X" and not _number(ev["dur"]):
+        return f"dur={ev['dur']!r} is not a number"
+    if ph == "X" and not ev["dur"] >= 0:
+        return f"dur={ev['dur']} < 0"
+    if ph != "M" and not _number(ev["ts"]):
+        return f"ts={ev['ts']!r} is not a number"
+    for f in ("pid", "tid"):
+        if f in ev and (not isinstance(ev[f], (int, str)) or isinstance(ev[f], bool)):
+            return f"{f}={ev[f]!r} is not an integer or a string"
+    if not isinstance(args, dict):
+        return f"args={args!r} is not an object"
+    if "step" in args and (not isinstance(args["step"], int) or isinstance(args["step"], bool)):
+        return f"args.step={args['step']!r} is not an integer"
+    if "bytes" in args and not _number(args["bytes"]):
+        return f"args.bytes={args['bytes']!r} is not a number"
+    return None
+
+
 def validate(trace: Any) -> None:
     """Raise ``ValueError`` naming the first few malformed events, if any: an ``X`` event
     needs ``name``, ``ts``, ``dur >= 0``, ``pid``, ``tid``; an ``i`` event ``name``,
@@ -162,10 +189,10 @@ def validate(trace: Any) -> None:
         missing = [f for f in need[ph] if f not in ev]
         if missing:
             bad.append(f"event {k} ({ph} {ev.get('name')!r}): missing {missing}")
-        elif ph == "X" and not (ev["dur"] >= 0):
-            bad.append(f"event {k} ({ev['name']!r}): dur={ev['dur']} < 0")
-        elif ph != "M" and not isinstance(ev["ts"], (int, float)):
-            bad.append(f"event {k} ({ev['name']!r}): ts={ev['ts']!r} is not a number")
+            continue
+        wrong = _wrong_field(ev, ph)
+        if wrong is not None:
+            bad.append(f"event {k} ({ev['name']!r}): {wrong}")
     if bad:
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
         raise ValueError("malformed trace: " + "; ".join(bad[:5]) + more)
