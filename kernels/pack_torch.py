@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .reference import compute_dtype
+from .reference import _transform, compute_dtype
 
 #: Elements per piece on the torch path: 128 Ki fp32 = 512 KiB, so a piece plus its float32
 #: scratch (1 MiB) stays in the 2 MiB L2 of the CI CPU between the gather and the scale/cast
@@ -279,6 +279,15 @@ class _TorchPath:
         views = self._out_views(out)
         o = out.dtype
         c = compute_dtype(o, *dtypes)
+        if len({compute_dtype(o, d) for d in dtypes}) > 1:
+            # float64 beside narrower tensors: each tensor's arithmetic in its own compute
+            # dtype (a float32 product stays float32's, as DDP's), one tensor at a time
+            slots = [out.narrow(0, off, t.numel()) for t, off in zip(tensors, self.offsets)]
+            for t, slot in zip(tensors, slots):
+                slot.copy_(_transform(t, o, scale))
+            if found_inf is not None and not all(bool(torch.isfinite(v).all()) for v in slots):
+                found_inf.fill_(1.0)
+            return
         if dtypes == {o} and scale == 1.0:
             # a copy: one cat per maximal run (cat copies with memcpy, which beats copy_
             # when the destination is not 64-byte aligned, as bucket slots are not). It
@@ -390,9 +399,10 @@ class _TorchPath:
             else:
                 torch._foreach_copy_(dsts, srcs)  # exact: c holds every buffer value
                 torch._foreach_mul_(dsts, scale)
-        else:  # narrow destinations with arithmetic: one tensor at a time
+        else:  # narrow destinations with arithmetic: one tensor at a time, each in its
+            # own compute dtype (float32's for a float32 one beside a float64 one)
             for d, s in zip(dsts, srcs):
-                y = s.to(c) * scale
+                y = s.to(compute_dtype(buffer.dtype, d.dtype)) * scale
                 if accumulate:
-                    y = d.to(c) + y
+                    y = d.to(y.dtype) + y
                 d.copy_(y)

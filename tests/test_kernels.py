@@ -659,3 +659,24 @@ def test_torch_pack_copy_with_found_inf_keeps_every_bit(dtype):
         [torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype), src], out, found_inf=flag)
     assert torch.equal(out.view(int_of[dtype]), src.view(int_of[dtype])), "bits changed"
     assert flag.item() == 1.0, "the NaN was not flagged"
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not P._interpreting_kernels(), reason="Triton interpreter not active"))])
+def test_float64_beside_float32_keeps_each_tensors_arithmetic(backend):
+    # a call may mix dtypes: a float32 tensor's product is float32's (DDP's
+    # torch.mul(grad, 1/world)) even with a float64 tensor in the same call
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(301, generator=g), torch.randn(7, generator=g, dtype=torch.float64)
+    plan = kernels.BucketPlan([301, 7], [0, 304], 311, "cpu", backend=backend)
+    out, want = torch.zeros(311), torch.zeros(311)
+    plan.pack([a, b], out, scale=1 / 7)
+    pack_reference([a, b], want, [0, 304], scale=1 / 7)
+    assert torch.equal(out, want)
+    assert torch.equal(out[:301], torch.mul(a, 1 / 7))
+    dst, ref = [torch.zeros(301), torch.zeros(7, dtype=torch.float64)], \
+        [torch.zeros(301), torch.zeros(7, dtype=torch.float64)]
+    buf = torch.randn(311, generator=g)
+    plan.unpack(buf, dst, scale=1 / 7)
+    unpack_reference(buf, ref, [0, 304], scale=1 / 7)
+    assert all(torch.equal(x, y) for x, y in zip(dst, ref))
