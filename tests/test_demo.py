@@ -173,6 +173,22 @@ def test_parser_rejects_bad_values(capsys, argv, words):
         assert w in err, (w, err)
 
 
+@pytest.mark.parametrize("case", ["seq_len", "short_text"])
+def test_parser_rejects_a_text_too_short_for_the_sequences(capsys, tmp_path, case):
+    # checked before anything is launched (the text is read once more in each rank)
+    if case == "seq_len":
+        argv = ["--seq-len", "100000"]
+    else:
+        short = tmp_path / "short.txt"
+        short.write_text("to be or not to be", encoding="utf-8")
+        argv = ["--text", str(short)]
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: tribucket-demo" in err and "--seq-len" in err and "--text" in err, err
+
+
 def test_parser_defaults_and_relaunch_command():
     assert parse_args([]) == DemoConfig()
     cfg = parse_args(["--steps", "7", "--hook", "fp16", "--nproc", "3", "--no-ddp",

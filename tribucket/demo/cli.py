@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ..moe.layer import SCHEDULES, SCORE_FUNCS
 from .compare import run_demo
 from .config import BACKENDS, HOOKS, DemoConfig, _check_world
+from .model import check_text_length, load_text
 from .report import format_table
 
 
@@ -83,6 +84,8 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoConfig:
         cfg = DemoConfig(**{f.name: values[f.name] for f in fields(DemoConfig)})
         if not _under_torchrun():  # the demo launches --nproc ranks: the world size is known
             _check_world(cfg, cfg.nproc)
+            # (the text decides the data: refused here, before torchrun starts the ranks)
+            check_text_length(len(load_text(cfg.text)), cfg.seq_len)
     except ValueError as e:
         p.error(str(e))
         raise  # unreachable: p.error exits

@@ -27,6 +27,16 @@ DEFAULT_TEXT = Path(__file__).parents[1] / "data" / "sonnets.txt"
 
 
 # ----------------------------------------------------------------------------- data
+def check_text_length(chars: int, seq_len: int) -> None:
+    """Raise unless a text of ``chars`` characters holds validation sequences of
+    ``seq_len`` (its last 10%, as :class:`CharData` splits it)."""
+    val = chars - int(0.9 * chars)
+    if val < seq_len + 2:
+        raise ValueError(f"the text has {chars} characters: its 10% validation split ({val}) "
+                         f"is shorter than --seq-len {seq_len} + 2; use a longer --text or a "
+                         "smaller --seq-len")
+
+
 class CharData:
     """A text as character ids, split 90/10 into train/validation; batches by seed."""
 
@@ -37,10 +47,7 @@ class CharData:
         split = int(0.9 * len(ids))
         self.train, self.val = ids[:split], ids[split:]
         self.seq_len = seq_len
-        if len(self.val) < seq_len + 2:
-            raise ValueError(f"the text has {len(text)} characters: its 10% validation split "
-                             f"({len(self.val)}) is shorter than --seq-len {seq_len} + 2; use a "
-                             "longer --text or a smaller --seq-len")
+        check_text_length(len(text), seq_len)
 
     @property
     def vocab_size(self) -> int:
