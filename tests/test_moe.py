@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tribucket._tags import is_expert_parallel
-from tribucket.moe import FixedShadowPolicy, MoEDispatcher, MoELayer
+from tribucket.moe import FixedShadowPolicy, GroupedExperts, MoEDispatcher, MoELayer
 from tribucket.testing import moe_routings
 
 D, F = 12, 20  # model and expert hidden width of the parity tests
@@ -662,3 +662,51 @@ def test_state_dict_uses_global_expert_index_and_router_is_broadcast(dist_run):
         torch.testing.assert_close(router_w, results[0][1], rtol=0, atol=0)
     torch.manual_seed(100)
     assert torch.equal(results[0][1], nn.Linear(D, 4, bias=False).weight)
+
+
+# ------------------------------------------------------------------ copies of a layer
+def _model_with_experts(kind: str) -> nn.Module:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    inp = nn.Linear(D, D)
+    torch.manual_seed(100 + rank)  # each rank its own experts
+    experts = (GroupedExperts(2, D, F, first_index=2 * rank, impl="loop") if kind == "grouped"
+               else nn.ModuleList(_ffn(100 + 2 * rank + e) for e in range(2)))
+    torch.manual_seed(1)
+    return nn.Sequential(inp, MoELayer(experts, num_experts=2 * world, d_model=D, top_k=2))
+
+
+def _copy_trains_as_the_original(kind: str, how: str):
+    """A copy of a trained model with an MoE layer (``deepcopy`` after a training forward,
+    or ``assign``: load_state_dict(assign=True) into a new model): per expert parameter,
+    whether it is tagged expert-parallel, and the largest gradient difference from the
+    original's under fused_bucketing, one step each on the same tokens."""
+    import tribucket
+
+    rank = dist.get_rank()
+    original = _model_with_experts(kind)
+    x = torch.randn(6, D, generator=torch.Generator().manual_seed(rank))
+    original(x).square().mean().backward()  # (the layer keeps this forward's aux_loss)
+    original.zero_grad()
+    if how == "deepcopy":
+        twin = copy.deepcopy(original)
+    else:
+        twin = _model_with_experts(kind)
+        twin.load_state_dict(original.state_dict(), assign=True)
+    grads = []
+    for m in (original, twin):
+        with tribucket.fused_bucketing(m):
+            (m(x).square().mean() + m[1].aux_loss).backward()
+        grads.append([p.grad.clone() for p in m[1].experts.parameters()])
+    tagged = [is_expert_parallel(p) for p in twin[1].experts.parameters()]
+    return tagged, max((a - b).abs().max().item() for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "assign"])
+@pytest.mark.parametrize("kind", ["list", "grouped"])
+def test_a_copy_of_an_moe_model_trains_as_the_original(dist_run, kind, how):
+    # the expert parameters' tags and gradient scale live on the Parameter objects
+    for tagged, diff in dist_run(_copy_trains_as_the_original, kind, how, world_size=2,
+                                 timeout=60):
+        assert all(tagged), tagged
+        assert diff == 0.0, diff

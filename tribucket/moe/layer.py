@@ -21,12 +21,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _exit
-from .._tags import mark_expert_parallel, note_aux_output
+from .._tags import note_aux_output
 from ..comm import group_rank_and_size
 from ..kernels.moe import moe_counts, permute_tokens, unpermute_tokens
 from ..trace import current as _trace_current
 from ._checks import (broadcast_from_first_rank, check_ranks_agree, check_replica_group,
                       check_replicas_agree, crc, expert_signature)
+from ._copies import deepcopy_layer, drop_other_ranks_experts, retag_after_load, tag_experts
 from ._guard import MoEGuard, _is_comm_failure, trace_backward
 from .dispatcher import DispatchMeta, MoEDispatcher, _route, expert_capacity
 from .experts import GroupedExperts
@@ -187,6 +188,8 @@ class MoELayer(nn.Module):
         y = layer(x)                                                 # x: [batch, seq, 512]
         (task_loss(y) + layer.aux_loss).backward()
     """
+
+    __deepcopy__ = deepcopy_layer  # (the expert parameters' tags and scale come along)
 
     def __init__(
         self,
@@ -358,10 +361,9 @@ class MoELayer(nn.Module):
             if next(self.router.parameters(), None) is not None else None))
         # [E] token-slots routed to each expert over the group since the last bias update
         self._load = TrainedLoad(num_experts)
-        for p in self.experts.parameters():
-            if self.expert_grad_scale != 1.0:
-                p.register_hook(lambda g, s=self.expert_grad_scale: g * s)
-        self.register_load_state_dict_pre_hook(_drop_other_ranks_experts)
+        tag_experts(self, scale_only=True)
+        self.register_load_state_dict_pre_hook(drop_other_ranks_experts)
+        self.register_load_state_dict_post_hook(retag_after_load)  # (assign=True)
         check_ranks_agree(self, signature, group)  # first: the broadcast needs equal shapes
         if count_error is not None:  # the same on every rank (their counts agreed)
             raise count_error
@@ -369,15 +371,14 @@ class MoELayer(nn.Module):
         # progress marks and failure reports
         self._guard = MoEGuard(group, rank, world, timeout, name)
         self.dispatcher.group = group = self._guard.group
-        for p in self.experts.parameters():  # (on the timed group: clip_grad_norm_'s too)
-            mark_expert_parallel(p, group=group, replica_group=replica_group)
+        #: the group across which this rank's experts are replicated (None: no replicas)
+        self.replica_group = replica_group
+        tag_experts(self)  # (on the timed group: clip_grad_norm_'s too)
         broadcast_from_first_rank(self.router, group)
         for module in (self.shared_experts, self.shared_gate):
             if module is not None:
                 broadcast_from_first_rank(module, group)
         check_replicas_agree(self, replica_group)
-        #: the group across which this rank's experts are replicated (None: no replicas)
-        self.replica_group = replica_group
 
         #: load-balancing (+ z) loss of the last forward (None before the first)
         self.aux_loss: torch.Tensor | None = None
@@ -688,13 +689,3 @@ class MoELayer(nn.Module):
                   counts_E: torch.Tensor) -> torch.Tensor:
         return aux_loss(logits_TE, probs_TE, counts_E, self.top_k, self.aux_loss_coef,
                         self.z_loss_coef)
-
-
-def _drop_other_ranks_experts(module: MoELayer, state_dict, prefix, *_unused) -> None:
-    """load_state_dict pre-hook: ignore experts this rank does not own (merged files)."""
-    head = prefix + "experts."
-    mine = {str(module.expert_offset + l) for l in range(module.num_local_experts)}
-    for key in [k for k in state_dict if k.startswith(head)]:
-        index = key[len(head):].split(".", 1)[0]
-        if index.isdigit() and index not in mine and int(index) < module.num_experts:
-            del state_dict[key]
