@@ -515,7 +515,11 @@ def pick_grouped_impl(device: torch.device | str, dtype: torch.dtype,
     :data:`CPU_LOOP_MIN_ROWS`. In bf16 the CPU's grouped GEMM is no faster than the loop:
     only fp32 takes it. On an H200, torch 2.11: in bf16 the grouped GEMM is the fastest at 7
     of 8 shapes (up to 3.9x the loop with many small experts, within 8% of it at the 8th), in
-    fp32 within 1% of the loop at model sizes: it is taken wherever it runs."""
+    fp32 within 1% of the loop at model sizes: it is taken wherever it runs. Under
+    ``torch.compile`` only bf16 takes it: torch's compiled (fake) grouped GEMM accepts bf16
+    alone."""
+    if dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return "loop"
     if torch.device(device).type == "cpu":
         if dtype != torch.float32:
             return "loop"
