@@ -538,7 +538,9 @@ def test_bad_input_errors_before_collectives(dist_run):
         assert out["mismatch"][0] == "ValueError" and "num_experts=4" in out["mismatch"][1]
         assert out["top_k"][0] == "ValueError" and "top_k=3" in out["top_k"][1], out["top_k"]
         assert out["dispatcher"][0] == "ValueError" and "num_experts=5" in out["dispatcher"][1]
-        assert out["calls_before_layer"] == [], out["calls_before_layer"]
+        # a refused build joins the agreement's all-gather once, with a row saying so: a peer
+        # that accepted its arguments waits there (the dispatcher alone sends nothing)
+        assert out["calls_before_layer"] == ["all_gather"] * 2, out["calls_before_layer"]
         assert out["calls_in_mismatch"] == ["all_gather"], out["calls_in_mismatch"]
         assert out["x_dim"][0] == "ValueError" and "d_model=12" in out["x_dim"][1], out["x_dim"]
         # a bad x joins the counts exchange (flagged), so a rank with good input cannot hang

@@ -480,3 +480,27 @@ def test_disagreeing_ranks_and_failing_experts_raise_everywhere(dist_run):
                 assert out[key] == ("KeyError", "'expert exploded'"), (key, out[key])
             else:
                 assert out[key][0] == "RuntimeError" and "rank(s) [1]" in out[key][1], (key, out[key])
+
+
+def _invalid_on_one_rank(arg: str):
+    """An argument valid on rank 0 and invalid on rank 1 (which raises its own error):
+    each rank's (error type, message), and whether the group is still usable after."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    bad = {"top_k": dict(top_k=5 * W), "score_func": dict(score_func="relu"),
+           "route_scale": dict(route_scale=-1.0)}[arg]
+    kw = bad if rank == 1 else {}
+    got = _error_of(lambda: MoELayer([nn.Linear(D, D)], W, D, **{"top_k": 1, **kw}))
+    t = torch.ones(1)
+    dist.all_reduce(t)  # (every rank left the build at the same collective)
+    return got, t.item() == W
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("arg", ["top_k", "score_func", "route_scale"])
+def test_an_argument_invalid_on_one_rank_is_named_on_every_rank(dist_run, arg):
+    # the invalid rank raises its own error; the others, waiting in the build's agreement,
+    # raise naming it (before, they waited for the process group's timeout)
+    (e0, e1) = [got for got, _ in dist_run(_invalid_on_one_rank, arg, world_size=2,
+                                           timeout=30, teardown=True)]
+    assert e1[0] == "ValueError" and arg in e1[1], e1
+    assert e0[0] == "ValueError" and "rank(s) [1]" in e0[1], e0

@@ -4,6 +4,7 @@ the layer alike (names the field and the ranks otherwise, before any forward cou
 
 from __future__ import annotations
 
+import functools
 import itertools
 import zlib
 from dataclasses import is_dataclass
@@ -50,12 +51,13 @@ def check_ranks_agree(layer: MoELayer, signature, group: dist.ProcessGroup | Non
     field and the ranks. Integer fields travel as themselves (every rank's value is named),
     the others as CRCs (each rank names its own value).
     """
+    layer._agreed = True  # (from here a failure is every rank's: see named_on_every_rank)
     _, world = group_rank_and_size(group)
     if world == 1:
         return
     policy = layer.shadow_policy
     policy_key = repr(policy) if policy is None or is_dataclass(policy) else type(policy).__qualname__
-    numeric = [("d_model", layer.d_model), ("num_experts", layer.num_experts),
+    numeric = [("failed", 0), ("d_model", layer.d_model), ("num_experts", layer.num_experts),
                ("top_k", layer.top_k), ("group_size", layer.group_size),
                ("local experts", layer.num_local_experts),
                ("normalize_weights", int(layer.normalize_weights))]
@@ -73,12 +75,18 @@ def check_ranks_agree(layer: MoELayer, signature, group: dist.ProcessGroup | Non
                   ("expert parameters (names, shapes, dtypes), needed to shadow",
                    signature if policy is not None else None)]
     fields = numeric + [(name, crc(value)) for name, value in shown + signatures]
+    assert len(fields) == _AGREE_COLUMNS, len(fields)
     own = dict(shown)
     device = next(itertools.chain(layer.router.parameters(), layer.experts.parameters())).device
     mine = torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     rows = [t.tolist() for t in every]
+    failed = [r for r, row in enumerate(rows) if row[0]]
+    if failed:
+        raise ValueError(f"rank(s) {failed} of the expert-parallel group could not build their "
+                         "MoELayer (each raised its own error, naming the argument): pass the "
+                         "same, valid arguments on every rank")
     problems = []
     for column, (name, _) in enumerate(fields):
         values = [r[column] for r in rows]
@@ -94,6 +102,42 @@ def check_ranks_agree(layer: MoELayer, signature, group: dist.ProcessGroup | Non
         raise ValueError(f"the ranks of the expert-parallel group built MoELayer with different "
                          f"arguments ({'; '.join(problems)}); pass the same arguments on every "
                          "rank")
+
+
+#: columns of check_ranks_agree's all-gather (a failed rank sends a row of its own)
+_AGREE_COLUMNS = 19
+
+
+def named_on_every_rank(init):
+    """Decorate ``MoELayer.__init__``: an argument one rank refuses before the agreement
+    across ranks (its peers wait in that all-gather) is reported to them in the same
+    all-gather, so they raise naming the rank instead of waiting for the group's timeout."""
+    @functools.wraps(init)
+    def wrapper(self, experts, *args, **kwargs):
+        try:
+            init(self, experts, *args, **kwargs)
+        except (ValueError, TypeError):
+            if not self.__dict__.get("_agreed", False):
+                _report_failed_build(kwargs.get("group"), experts)
+            raise
+    return wrapper
+
+
+def _report_failed_build(group, experts) -> None:
+    """This rank's row of check_ranks_agree's all-gather, saying it failed (best effort: a
+    group that cannot gather has no peers waiting in it)."""
+    try:
+        _, world = group_rank_and_size(group)
+        if world == 1:
+            return
+        mods = experts if isinstance(experts, (list, tuple, nn.ModuleList)) else [experts]
+        p = next(itertools.chain.from_iterable(m.parameters() for m in mods), None)
+        row = torch.zeros(_AGREE_COLUMNS, dtype=torch.int64,
+                          device=p.device if p is not None else None)
+        row[0] = 1
+        dist.all_gather([torch.empty_like(row) for _ in range(world)], row, group=group)
+    except Exception:  # noqa: BLE001 - the rank's own error is what it raises
+        pass
 
 
 def check_replica_group(group, replica_group, ep_world: int) -> None:

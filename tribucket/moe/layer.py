@@ -26,7 +26,7 @@ from ..comm import group_rank_and_size
 from ..kernels.moe import moe_counts, permute_tokens, unpermute_tokens
 from ..trace import current as _trace_current
 from ._checks import (broadcast_from_first_rank, check_ranks_agree, check_replica_group,
-                      check_replicas_agree, crc, expert_signature)
+                      check_replicas_agree, crc, expert_signature, named_on_every_rank)
 from ._copies import deepcopy_layer, drop_other_ranks_experts, retag_after_load, tag_experts
 from ._guard import MoEGuard, _is_comm_failure, trace_backward
 from .dispatcher import DispatchMeta, MoEDispatcher, _route, expert_capacity
@@ -191,6 +191,7 @@ class MoELayer(nn.Module):
 
     __deepcopy__ = deepcopy_layer  # (the expert parameters' tags and scale come along)
 
+    @named_on_every_rank  # (an argument one rank refuses is named on the others)
     def __init__(
         self,
         experts: nn.ModuleList | Sequence[nn.Module] | GroupedExperts,
