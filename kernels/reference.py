@@ -125,7 +125,7 @@ def unpack_reference(
             check_value_pair(buffer.dtype, t.dtype, scale, f"tensors[{i}]")
             y = _transform(x, t.dtype, scale)
         t.view(-1).copy_(y)
-        if stats is not None:
+        if stats is not None and y.is_floating_point():  # (a gradient norm's figures)
             yd = y.double()  # float64: the reference sum has no rounding to speak of
             stats[0] += yd.square().sum().float()
             if not bool(torch.isfinite(yd).all()):

@@ -680,3 +680,24 @@ def test_float64_beside_float32_keeps_each_tensors_arithmetic(backend):
     plan.unpack(buf, dst, scale=1 / 7)
     unpack_reference(buf, ref, [0, 304], scale=1 / 7)
     assert all(torch.equal(x, y) for x, y in zip(dst, ref))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not P._interpreting_kernels(), reason="Triton interpreter not active"))])
+def test_stats_count_the_floating_values_alone(backend):
+    # the figures of a gradient norm: integer tensors written beside add nothing, on both
+    # backends and in the reference
+    buf = torch.tensor([3.0, 4.0, 0.0, 0.0], dtype=torch.float32)
+    ints = torch.tensor([7, 9], dtype=torch.int32)
+    plan = kernels.BucketPlan([2, 2], [0, 2], 4, "cpu", backend=backend)
+    dst, ref = [torch.zeros(2), torch.zeros(2)], [torch.zeros(2), torch.zeros(2)]
+    stats, want = torch.zeros(2), torch.zeros(2)
+    plan.unpack(buf, dst, stats=stats)
+    unpack_reference(buf, ref, [0, 2], stats=want)
+    assert stats.tolist() == want.tolist() == [25.0, 0.0]
+    ibuf = torch.tensor([1, 2, 7, 9], dtype=torch.int32)
+    istats, iwant = torch.zeros(2), torch.zeros(2)
+    plan.unpack(ibuf, [torch.zeros(2, dtype=torch.int32), ints.clone()], stats=istats)
+    unpack_reference(ibuf, [torch.zeros(2, dtype=torch.int32), ints.clone()], [0, 2],
+                     stats=iwant)
+    assert istats.tolist() == iwant.tolist() == [0.0, 0.0]
