@@ -279,7 +279,7 @@ class _TorchPath:
         views = self._out_views(out)
         o = out.dtype
         c = compute_dtype(o, *dtypes)
-        if len({compute_dtype(o, d) for d in dtypes}) > 1:
+        if o != torch.float64 and len(dtypes) > 1 and torch.float64 in dtypes:
             # float64 beside narrower tensors: each tensor's arithmetic in its own compute
             # dtype (a float32 product stays float32's, as DDP's), one tensor at a time
             slots = [out.narrow(0, off, t.numel()) for t, off in zip(tensors, self.offsets)]

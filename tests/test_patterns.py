@@ -476,12 +476,17 @@ def test_unusual_parameters_train_as_with_ddp(dist_run, case, view, api):
     assert all(dist_run(_odd_parameters_train, case, view, api, world_size=2, timeout=60))
 
 
-def _complex_sharded():
+def _entry_refusal(model: nn.Module, **options) -> str | None:
+    """The ValueError that entering fused_bucketing(model, **options) raises, or None."""
     try:
-        tribucket.fused_bucketing(OddParameters("complex", 0), shard_optimizer=True)
+        tribucket.fused_bucketing(model, **options)
     except ValueError as e:
         return str(e)
     return None
+
+
+def _complex_sharded():
+    return _entry_refusal(OddParameters("complex", 0), shard_optimizer=True)
 
 
 def test_sharding_complex_parameters_is_refused_by_name(dist_run):
@@ -542,12 +547,7 @@ def test_complex_gradients_norm_flag_and_clip_as_torch(dist_run, dtype):
 
 # ---------------------------------------------------------------- checks and messages
 def _no_trainable_parameter():
-    model = nn.Linear(3, 3).requires_grad_(False)
-    try:
-        tribucket.fused_bucketing(model)
-    except ValueError as e:
-        return str(e)
-    return None
+    return _entry_refusal(nn.Linear(3, 3).requires_grad_(False))
 
 
 def test_a_model_without_trainable_parameters_is_refused(dist_run):
@@ -557,11 +557,7 @@ def test_a_model_without_trainable_parameters_is_refused(dist_run):
 
 def _every_parameter_ignored():
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
-    try:
-        tribucket.fused_bucketing(model, ignore_parameters=list(model.parameters()))
-    except ValueError as e:
-        return str(e)
-    return None
+    return _entry_refusal(model, ignore_parameters=list(model.parameters()))
 
 
 def test_ignoring_every_parameter_is_refused(dist_run):

@@ -75,9 +75,12 @@ def _nonfinite(tensors: Sequence[torch.Tensor], norm: torch.Tensor) -> torch.Ten
     return flag.zero_()
 
 
-def _real(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _real(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """``grads`` as real tensors of the same values: a sparse gradient's values, a complex
-    one's real view (its 2-norm and finiteness are the complex tensor's)."""
+    one's real view (its 2-norm and finiteness are the complex tensor's); the list itself
+    when every gradient is dense and real (the common case: one pass, no copy)."""
+    if not any(g.is_sparse or g.is_complex() for g in grads):
+        return grads
     out = [g.coalesce()._values() if g.is_sparse else g for g in grads]
     return [torch.view_as_real(g) if g.is_complex() else g for g in out]
 
