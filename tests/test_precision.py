@@ -308,6 +308,71 @@ def test_clip_of_fp64_gradients_keeps_fp64_precision(dist_run, kind):
         assert diff <= 1e-12, diff
 
 
+class _TwoBranch(nn.Module):
+    """``a(x)``'s square plus ``b(z)``'s mean: a NaN in ``z`` makes ``b.weight``'s gradient
+    NaN and leaves the others finite."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
+        self.b = nn.Linear(3, 4).to(dtype)
+
+    def forward(self, x, z):
+        return self.a(x).float().square().mean() + self.b(z).float().mean()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan()) and \
+        torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def _clip_bits(dtype):
+    """tribucket.clip_grad_norm_ against DDP + torch's clip, step after step: the whole model
+    (the reducer's figures), a part of it (the general path), a list naming parameters twice,
+    and a NaN gradient on one rank (the norm NaN, some gradients finite). Per step: ``(how,
+    the norms have the same dtype and bits, the gradients after the clip have)``."""
+    rank = dist.get_rank()
+    ours, ref = _TwoBranch(dtype), _TwoBranch(dtype)
+    ddp = nn.parallel.DistributedDataParallel(ref)
+    out = []
+    with tribucket.fused_bucketing(ours, bucket_cap_mb=0.001):
+        for step in range(16):
+            how = ("whole", "part", "twice", "nan")[step % 4]
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, z = torch.randn(6, 8, generator=g).to(dtype), torch.randn(6, 3, generator=g)
+            if how == "nan" and rank == 1:
+                z[2, 1] = float("nan")
+            z = z.to(dtype)
+            ours(x, z).backward()
+            ddp(x, z).backward()
+            mine, theirs = list(ours.parameters()), list(ref.parameters())
+            if how == "part":
+                mine, theirs = mine[1:4], theirs[1:4]
+            if how == "twice":
+                mine, theirs = mine + mine[-2:], theirs + theirs[-2:]
+            got = tribucket.clip_grad_norm_(mine, max_norm=0.05)
+            want = torch.nn.utils.clip_grad_norm_(theirs, max_norm=0.05)
+            out.append((how, _same_bits(got, want), all(
+                _same_bits(a.grad, b.grad) for a, b in zip(ours.parameters(), ref.parameters())),
+                got.item(), want.item()))
+            for m in (ours, ref):
+                with torch.no_grad():
+                    if bool(torch.isfinite(want)):  # (a scaler would skip the step)
+                        for p in m.parameters():
+                            p -= 0.5 * p.grad
+                m.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_clip_is_torchs_to_the_bit(dist_run, dtype):
+    # the norm in the gradients' dtype, a NaN norm makes every gradient NaN, a parameter
+    # named twice is multiplied twice: as torch's clip_grad_norm_ after DDP, bit for bit
+    steps = dist_run(_clip_bits, dtype, world_size=2, timeout=60)[0]
+    assert [s for s in steps if not (s[1] and s[2])] == []
+
+
 def _grad_norm_in_fp64(mixed: bool):
     """reducer.grad_norm() of a model with float64 parameters against torch's
     ``get_total_norm`` of DDP's gradients: ``(our dtype, torch's, ours, torch's)``."""

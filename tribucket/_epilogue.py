@@ -313,12 +313,18 @@ class Epilogue:
             if rec.norm is not None:
                 f = factor if isinstance(factor, torch.Tensor) else torch.tensor(factor)
                 # |factor| <= 1 (unscaling, clipping) keeps finite values finite and the flag
-                # valid; a larger factor could overflow: recompute on the next read
+                # valid; a larger or NaN one (a NaN norm's clip) may not: recompute on the
+                # next read (on the CPU; elsewhere, without a host sync, a non-finite factor
+                # sets the flag: it makes every value non-finite)
                 f = f.abs().to(rec.norm)
-                if f.device.type == "cpu" and bool(f > 1.0):
-                    rec.norm = rec.flag = None
+                if f.device.type == "cpu":
+                    if bool(f <= 1.0):
+                        rec.norm = rec.norm * f
+                    else:
+                        rec.norm = rec.flag = None
                 else:
                     rec.norm = rec.norm * f
+                    rec.flag = torch.maximum(rec.flag, (~torch.isfinite(f)).to(rec.flag))
 
 
 # ---------------------------------------------------------------------------------------
@@ -335,10 +341,11 @@ class Cover:
     def __init__(self, parts: list[tuple[Epilogue, list[int]]]):
         self.parts = parts
 
-    def wide(self) -> bool:
-        """Whether a bucket holds float64 gradients (whose norm torch takes in float64, finer
-        than these float32 figures)."""
-        return any(epi.params[b][0].dtype in _WIDE for epi, buckets in self.parts for b in buckets)
+    def float32(self) -> bool:
+        """Whether every bucket holds float32 gradients, whose norms torch takes in float32
+        as these figures are (float64 ones in float64, fp16/bf16 ones in their own dtype)."""
+        return all(epi.params[b][0].dtype == torch.float32
+                   for epi, buckets in self.parts for b in buckets)
 
     def norm(self) -> torch.Tensor:
         """The total 2-norm of the gradients (0-dim float32)."""
@@ -378,7 +385,7 @@ class Cover:
         gradients' own norm (expert-parallel parameters counted in it, clipped by the
         caller)."""
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        if total.device.type != "cpu" or bool(coef < 1.0):
+        if total.device.type != "cpu" or not bool(coef >= 1.0):  # (a NaN norm: NaN)
             self.scale_(coef)
 
 
@@ -390,8 +397,9 @@ def cover(params: Iterable[torch.Tensor]) -> Cover | None:
     them (or changed only through :meth:`Cover.scale_`). Then no pass over the gradients is
     needed beyond the epilogue's (see the module docstring).
     """
-    rest = {id(q) for q in params if q.grad is not None}
-    if not rest:
+    given = [id(q) for q in params if q.grad is not None]
+    rest = set(given)
+    if not rest or len(rest) != len(given):  # (one named twice: torch multiplies it twice)
         return None
     parts = []
     for epi in list(_LIVE):

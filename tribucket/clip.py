@@ -17,7 +17,9 @@ on every rank, and so is the clip factor.
 The dense part is free when a reducer has just averaged those gradients: for ``p = 2``, whole
 buckets, unchanged since backward, its epilogue already holds each bucket's norm
 (``tribucket/_epilogue.py``), and the clip multiply runs on the flat buckets (skipped on the
-CPU when the factor is 1). Otherwise the norms are computed here, as torch does.
+CPU when the factor is 1). Otherwise the norms are computed here: by torch's own function
+when no parameter is expert-parallel or sharded, so the norm (in the gradients' dtype) and
+the clipped gradients are torch's to the bit.
 """
 
 from __future__ import annotations
@@ -106,15 +108,19 @@ def _clip(params: list[torch.Tensor], max_norm: float, p_norm: float, norm_type,
         g = expert_group(q)
         groups.setdefault(id(g), (g, []))[1].append(q)
     device = params[0].grad.device if params else sharded[0].device
-    # the dense gradients' norm from the reducers' epilogue when it describes them exactly
-    # (norm 2, whole buckets, unchanged since backward): no pass over them
+    # the reducers' buckets, when they hold exactly the dense gradients (whole buckets,
+    # unchanged since backward, none named twice): the multiply runs on them, and their
+    # epilogue's float32 figures are the norm of float32 gradients (no pass over them)
     fast = cover(dense) if p_norm == 2.0 and dense else None
-    if fast is not None and fast.wide():  # float32 figures: float64 takes the general path
-        fast = None
-    # no expert-parallel parameter: the total as torch forms it, to the bit
-    total = fast.norm_of(dense) if fast is not None and not groups and not sharded else None
+    figures = fast is not None and fast.float32()
+    total = None
+    if not groups and not sharded:  # the total as torch forms it, to the bit
+        total = fast.norm_of(dense) if figures else None
+        if total is None and not any(q.grad.is_sparse for q in dense):
+            total = torch.nn.utils.get_total_norm([q.grad for q in dense], p_norm,
+                                                  foreach=foreach)
     if total is None:
-        partials = [fast.norm().square() if fast is not None
+        partials = [fast.norm().square() if figures
                     else _partial(dense, p_norm, foreach, device)]
         partials += [_group_partial(_partial(qs, p_norm, foreach, device), g)
                      for g, qs in groups.values()]
