@@ -6,6 +6,7 @@ error. Every call runs under the pool's timeout, so a hang fails the test."""
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import tempfile
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 import tribucket
 from tribucket import hooks
+from tribucket.ddp.native import NO_NATIVE
 from _dist import stall_until_the_others_return
 from models import batch, build, loss_of
 
@@ -706,3 +708,73 @@ def test_requires_grad_changed_after_entering_is_named(dist_run, change):
             assert "enter it again" in message, message
             assert no_grad
         assert error < 1e-6, f"{change}: after entering again, max |grad - reference| {error}"
+
+
+# ------------------------------------------------------------ dtype or device changed mid-run
+def _retyped_after_entering(change, native_hooks):
+    """Two steps, then the model converted in place (``model.double()``, or
+    ``model.half().float()``, which leaves the dtype as it was), then a step; then the fix
+    the error gives (enter again) and a step. ``(native path on, outcome, message, largest
+    difference from the reference after entering again)``."""
+    rank = dist.get_rank()
+    model = build("mlp")
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT,
+                                   native_hooks=native_hooks,
+                                   find_unused_parameters=change == "layer_find_unused") as r:
+        native = r._bw.native is not NO_NATIVE
+        for step in range(2):
+            model.zero_grad()
+            loss_of(model(batch("mlp", rank, step))).backward()
+        model.zero_grad()
+        if change == "double":
+            model.double()
+        elif change == "half_float":
+            model.half().float()
+        else:  # one layer, and a parameter the forward reaches may go without a gradient
+            model.layers[2].half().float()
+        dtype = next(model.parameters()).dtype
+        kind, message = _outcome(
+            lambda: loss_of(model(batch("mlp", rank, 2).to(dtype))).backward())
+        if kind == "ok":  # averaged, then (the Python hooks stay on the parameters)
+            error = _max_error(model, _reference_like(model, 2))
+    model.zero_grad()
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT,
+                                   native_hooks=native_hooks):
+        loss_of(model(batch("mlp", rank, 3).to(dtype))).backward()
+    again = _max_error(model, _reference_like(model, 3))
+    return native, kind, message if kind == "error" else error, again
+
+
+def _reference_like(model, step):
+    """:func:`_reference_grads` of a plain copy of ``model`` (its dtype, its values)."""
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    p0 = next(ref.parameters())
+    loss_of(ref(batch("mlp", dist.get_rank(), step).to(p0.dtype))).backward()
+    grads = [p.grad.detach().clone() for p in ref.parameters()]
+    for g in grads:
+        dist.all_reduce(g)
+        g.div_(dist.get_world_size())
+    return grads
+
+
+@pytest.mark.parametrize("native_hooks", [None, False], ids=["default", "python_hooks"])
+@pytest.mark.parametrize("change", ["double", "half_float", "layer_find_unused"])
+def test_dtype_changed_after_entering_is_named(dist_run, change, native_hooks):
+    """``model.double()`` inside the context: the reducer's buckets hold float32, and torch
+    drops each parameter's gradient accumulator (with the reducer's native hooks): DDP then
+    leaves every gradient unaveraged, silently. The next training forward raises on every
+    rank, naming the parameters, both dtypes and the fix. ``model.half().float()`` leaves the
+    dtype, but not the accumulators: the native hooks' backward raises, naming them; the
+    Python hooks (on the tensors) still average. So with find_unused_parameters, where a
+    parameter the forward reached may go without a gradient. Entering again averages."""
+    for native, kind, detail, again in dist_run(_retyped_after_entering, change,
+                                                native_hooks):
+        if change == "double" or native:
+            assert kind == "error", f"{change}: no error (native hooks: {native})"
+            assert "layers.2.weight" in detail and "enter it again" in detail, detail
+            if change == "double":
+                assert "float32" in detail and "float64" in detail, detail
+        else:
+            assert kind == "ok" and detail < 1e-6, (kind, detail)
+        assert again < 1e-5, f"{change}: after entering again, max |grad - reference| {again}"

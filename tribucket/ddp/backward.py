@@ -39,7 +39,8 @@ from .native import NO_NATIVE
 from .rebuild import LayoutPolicy
 from .shard import ShardGrads
 from .state import Pass, ReducerStats, log_buckets
-from .status import Status, second_gradient_error, static_graph_error
+from .status import (EntryTypes, Status, replaced_error, second_gradient_error,
+                     static_graph_error)
 from .watchdog import CommGuard
 
 __all__ = ["Backward"]
@@ -88,6 +89,7 @@ class Backward:
         self.opt_steps = 0                     # optimizer steps over these parameters
         self.opt_base = 0                      # ... counted from here (reset with forwards)
         self.param_ids = frozenset(map(id, params))
+        self.entry = EntryTypes(params, names)  # dtype and device of each, on entering
         self.agree_pending = self.world_size > 1  # compare hook and state at 1st backward
         self.passes = 0                        # backward passes begun (synced or not): the
         # iteration number that fingerprints and failure reports use, equal on every rank
@@ -388,7 +390,10 @@ class Backward:
             return
         if not p.any_ready:
             # a backward that produced no parameter gradient (e.g. torch.autograd.grad
-            # w.r.t. inputs): nothing to average, no collective
+            # w.r.t. inputs): nothing to average, no collective. Unless no hook could fire:
+            # torch replaced the accumulators (model.half().float() after entering)
+            if stale := self.native.stale():
+                raise RuntimeError(replaced_error([self.names[i] for i in stale], {}))
             return
         t_end = time.perf_counter()
         self.guard.mark_progress(p.iteration, finished=True)
@@ -402,6 +407,11 @@ class Backward:
                 bucket.pending, bucket.state = 0, BucketState.READY
         used = self._local_used(p)
         n_missing = self._missing(p)
+        if cfg.dynamic_unused and p.fired.count(0) > len(self.unused):
+            # a parameter the forward reached got no gradient: an output the loss leaves
+            # out, or an accumulator torch replaced (reported on every rank, as misuse)
+            if stale := self.native.stale():
+                p.errors.append(replaced_error([self.names[i] for i in stale], {}, lead=False))
         # launch whatever is left, with zeros for missing gradients, so no peer is left
         # blocked in a collective this rank would never join
         for b in range(p.next_bucket, len(self.buckets)):
@@ -429,7 +439,8 @@ class Backward:
             self._check_steps(status)  # before the gradients reach .grad
             counts = self.status.problems(status)
             if sum(counts) > 0:
-                self.status.raise_problems(missing, counts, p.errors, self._frozen(missing))
+                self.status.raise_problems(missing, counts, p.errors, self._frozen(missing),
+                                           self._replaced(missing))
         global_used = None
         if used is not None:
             global_used = self.status.used(status)
@@ -447,11 +458,17 @@ class Backward:
                 stream = tr.on_device(bucket.params[0])
                 dev = None if stream is None else tr.device_begin(
                     f"bucket{bucket.index}.unpack", args=args, stream=stream)
-            if global_used is None:
-                filled = bucket.finish(result, bucket.targets_all, True, stats)
-            else:
-                filled = bucket.finish(result, [global_used[i] for i in bucket.indices], False,
-                                       stats)
+            try:
+                if global_used is None:
+                    filled = bucket.finish(result, bucket.targets_all, True, stats)
+                else:
+                    filled = bucket.finish(result, [global_used[i] for i in bucket.indices],
+                                           False, stats)
+            except RuntimeError as e:  # torch refuses a .grad of the bucket's old dtype
+                changed = self.entry.changed(bucket.indices)
+                if changed:
+                    raise RuntimeError(self.entry.error(changed)) from e
+                raise
             if tr is not None:
                 tr.end(rec)
                 if dev is not None:
@@ -478,6 +495,14 @@ class Backward:
         if self.tuner is not None:  # bucket_cap_mb="auto": measure, maybe re-lay (autotune.py)
             self.tuner.after_step(self, st.backward_compute_s + st.comm_exposed_s)
 
+    def _replaced(self, names: list[str]) -> list[str]:
+        """Those of the parameters ``names`` that changed dtype or device, or whose gradient
+        accumulator (with the native hooks) torch replaced (for the error)."""
+        if not names:
+            return []
+        changed = {self.names[i] for i in self.entry.changed() + self.native.stale()}
+        return [n for n in names if n in changed]
+
     def _frozen(self, names: list[str]) -> list[str]:
         """Those of the parameters ``names`` that no longer require grad (for the error)."""
         if not names:
@@ -499,7 +524,8 @@ class Backward:
             counts = self.status.problems(status)
             if sum(counts) > 0:
                 self.status.raise_problems(pending.missing, counts, pending.errors,
-                                           self._frozen(pending.missing))
+                                           self._frozen(pending.missing),
+                                           self._replaced(pending.missing))
         except RuntimeError as e:
             error = RuntimeError(
                 f"tribucket (rank {self.rank}): in backward iteration {pending.iteration}, "

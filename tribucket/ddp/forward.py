@@ -71,6 +71,8 @@ class Forward:
         if self.frozen and any(p.requires_grad for _, p in self.frozen):
             # (before this forward's collectives: every rank that unfroze raises here)
             raise RuntimeError(unfrozen_error([n for n, p in self.frozen if p.requires_grad]))
+        if bw.entry.changed(bw.entry.sample):  # (model.half(), .to(...))
+            raise RuntimeError(bw.entry.error(bw.entry.changed()))
         # a backward begun inside this forward (before its output exists) decides whether it
         # averages when it runs, not by the last forward's decision
         bw.fwd_sync = None

@@ -242,6 +242,11 @@ class NativeHooks:
                 if native:
                     bucket.pending = left
 
+    def stale(self) -> list[int]:
+        """The parameters whose gradient accumulator torch replaced since the hooks went on
+        (``param.data`` set to another dtype or device): these hooks no longer fire."""
+        return self.hooks.stale(self.bw.params)
+
     def remove(self) -> None:
         """Take the hooks off the parameters (``close()``)."""
         self.hooks.remove()
@@ -278,6 +283,9 @@ class _NoNative:
 
     def first_ns(self, b: int) -> int:
         return 0
+
+    def stale(self) -> list[int]:
+        return []  # (the Python hooks are on the tensors: they outlive the accumulators)
 
 
 NO_NATIVE = _NoNative()

@@ -159,6 +159,18 @@ class Hooks {
   // stamped)
   int64_t first_ns(int64_t b) const { return st_->first_ns.at(b); }
 
+  // the indices of ``params`` (the reducer's, in order) whose gradient accumulator is no
+  // longer the one hooked here: torch drops it when ``param.data`` is set to a tensor of
+  // another dtype or device (model.half(), .to(...)), and the next one has no hook
+  std::vector<int64_t> stale(const std::vector<at::Tensor>& params) const {
+    std::vector<int64_t> out;
+    for (size_t i = 0; i < params.size() && i < accs_.size(); ++i) {
+      auto acc = torch::autograd::impl::try_get_grad_accumulator(params[i]);
+      if (acc.get() != accs_[i].get()) out.push_back((int64_t)i);
+    }
+    return out;
+  }
+
   // the pass ends: the counts left
   std::vector<int32_t> end() {
     st_->enabled = false;
@@ -192,5 +204,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("begin", &Hooks::begin)
       .def("mark", &Hooks::mark)
       .def("first_ns", &Hooks::first_ns)
+      .def("stale", &Hooks::stale)
       .def("end", &Hooks::end);
 }

@@ -16,7 +16,7 @@ both 0 for "not checked" (a Join shadow pass).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -186,9 +186,11 @@ class Status:
             "collective that differs.")
 
     def raise_problems(self, missing_names: list[str], counts: list[float],
-                       errors: list[str], frozen: list[str] = ()) -> None:
+                       errors: list[str], frozen: list[str] = (),
+                       replaced: list[str] = ()) -> None:
         """Raise the error every rank raises when some rank reported a problem (``frozen``:
-        those of ``missing_names`` that no longer require grad)."""
+        those of ``missing_names`` that no longer require grad; ``replaced``: those that
+        changed dtype or device, or lost their gradient accumulator)."""
         ranks = [f"rank {r}: {int(c)}" for r, c in enumerate(counts) if c > 0]
         if errors:
             raise RuntimeError(f"tribucket (rank {self.rank}): {errors[0]}"
@@ -203,6 +205,8 @@ class Status:
             why = (f" {len(frozen)} of them no longer require grad ({_listed(frozen, 10)}): the "
                    "reducer averages the parameters that required grad when it was built. "
                    + _reenter("freezing"))
+        if replaced:
+            why += " " + replaced_error(replaced, {}, lead=False)
         raise RuntimeError(
             "tribucket: some parameters received no gradient in this backward pass "
             f"({', '.join(ranks)} parameters missing). This rank ({self.rank}) got no gradient "
@@ -222,6 +226,57 @@ def _reenter(change: str) -> str:
     return (f"After changing requires_grad ({change} layers, for example), leave "
             "fused_bucketing and enter it again (or build a new DistributedDataParallel): the "
             "new reducer averages the new set.")
+
+
+class EntryTypes:
+    """Each parameter's dtype and device on entering ``fused_bucketing``. ``param.data`` set
+    to another (model.half(), .to(...)) makes torch drop its gradient accumulator, and the
+    native hooks with it, and the buckets hold the old dtype. Checked at each training
+    forward for ``sample``, one parameter of each dtype and device (in full on the error
+    paths)."""
+
+    def __init__(self, params: list[torch.Tensor], names: list[str]):
+        self.params, self.names = params, names
+        self.types = [(p.dtype, p.device) for p in params]
+        self.sample = sorted({t: i for i, t in reversed(list(enumerate(self.types)))}.values())
+
+    def changed(self, indices: Iterable[int] | None = None) -> list[int]:
+        """The parameters (of ``indices``; all by default) whose dtype or device is not the
+        one they had on entering."""
+        params, types = self.params, self.types
+        return [i for i in (range(len(params)) if indices is None else indices)
+                if (params[i].dtype, params[i].device) != types[i]]
+
+    def error(self, indices: list[int]) -> str:
+        """The error of parameters ``indices``, whose dtype or device changed."""
+        def told(dtype, device):
+            return f"{str(dtype).removeprefix('torch.')} on {device}"
+        changes: dict[str, list[str]] = {}
+        for i in indices:
+            q = self.params[i]
+            changes.setdefault(f"{told(*self.types[i])} -> {told(q.dtype, q.device)}",
+                               []).append(self.names[i])
+        return replaced_error([self.names[i] for i in indices], changes)
+
+
+def replaced_error(names: list[str], changes: dict[str, list[str]],
+                   lead: bool = True) -> str:
+    """The error of parameters ``names`` whose dtype or device changed after entering
+    ``fused_bucketing`` (``changes``: ``{"was -> now": names}``, where known), or whose
+    gradient accumulator torch replaced (``param.data`` set to another dtype or device and
+    back)."""
+    listed = ("; ".join(f"{change}: {_listed(ns, 10)}" for change, ns in changes.items())
+              if changes else _listed(names, 10))
+    what = (f"{len(names)} parameter(s) changed dtype or device after fused_bucketing was "
+            f"entered, or were converted and back ({listed})")
+    return ((f"tribucket: {what}. " if lead else f"{what[0].upper()}{what[1:]}. ")
+            + "Setting param.data to another dtype or device (model.half(), model.double(), "
+            "model.to(...), also when converted back) makes torch drop each one's gradient "
+            "accumulator, with the reducer's hooks, and its buckets hold the dtype and "
+            "device of entering, so these gradients would not be averaged (torch DDP leaves "
+            "them so, silently). Convert the model before entering; or leave fused_bucketing "
+            "and enter it again (or build a new DistributedDataParallel): the new reducer "
+            "averages the parameters as they are now.")
 
 
 def unfrozen_error(names: list[str]) -> str:
