@@ -574,9 +574,11 @@ def test_rank_late_for_the_first_backward_is_named(dist_run):
     assert "timed out" in message.lower() and "reducer state" in message, message
 
 
-def _hook_callback_raises_on_rank_1(timeout_s=2.0):
-    """A comm hook whose decompress callback raises on rank 1 in iteration 3 (the fourth
-    backward): that rank must say its own hook raised, in iteration 3, blaming no peer."""
+def _hook_callback_raises_on_rank_1(how="ValueError", timeout_s=2.0):
+    """A comm hook whose decompress callback raises (``how``: that exception class) or
+    completes with a tensor of the wrong size (``"wrong size"``) on rank 1 in iteration 3
+    (the fourth backward): that rank must say its own hook failed, in iteration 3, blaming
+    no peer."""
     rank = dist.get_rank()
     model = build("mlp")
     calls = {"backward": 0}
@@ -586,8 +588,11 @@ def _hook_callback_raises_on_rank_1(timeout_s=2.0):
         fail = rank == 1 and calls["backward"] == 3
 
         def after(f):
+            if fail and how == "wrong size":
+                return f.value()[0][:1].clone()
             if fail:
-                raise ValueError("decompression failed")
+                raise {"ValueError": ValueError, "TypeError": TypeError}[how](
+                    "decompression failed")
             return f.value()[0].div_(dist.get_world_size())
         return fut.then(after)
     try:
@@ -602,16 +607,19 @@ def _hook_callback_raises_on_rank_1(timeout_s=2.0):
     return None
 
 
-def test_a_hook_that_raised_on_this_rank_is_named_as_such(dist_run):
-    results = dist_run(_hook_callback_raises_on_rank_1, world_size=2, timeout=60,
+@pytest.mark.parametrize("how", ["ValueError", "TypeError", "wrong size"])
+def test_a_hook_that_raised_on_this_rank_is_named_as_such(dist_run, how):
+    # (a TypeError's name holds "peer", which once passed for a backend error)
+    results = dist_run(_hook_callback_raises_on_rank_1, how, world_size=2, timeout=60,
                        teardown=True)
+    cause = "with a tensor of 1 elements" if how == "wrong size" else "decompression failed"
     mine = results[1]
-    assert mine is not None and "decompression failed" in mine, mine
+    assert mine is not None and cause in mine, mine
     assert "iteration 4" in mine and "iteration 0" not in mine, mine  # (passes count from 1)
     assert "on this rank" in mine and "behind it" not in mine, mine
     theirs = results[0]  # rank 0 times out, naming rank 1 and the cause it reported
     assert theirs is not None and "rank 1" in theirs, theirs
-    assert "decompression failed" in theirs, theirs  # its own report, left in the store
+    assert cause in theirs, theirs  # its own report, left in the store
 
 
 def _late_for_a_buffer_broadcast(timeout_s=2.0):
@@ -634,6 +642,50 @@ def test_buffer_broadcast_timeout_names_the_rank(dist_run):
                        teardown=True)[0]
     assert message is not None and "buffer" in message and "rank 1" in message, message
     assert "timed out" in message.lower(), message
+
+
+class _FailOnce(torch.nn.Module):
+    """A BatchNorm model whose forward raises once when asked, after the reducer's buffer
+    broadcast (a bad batch the user catches and skips)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model, self.fail = build("bn"), False
+
+    def forward(self, x):
+        if self.fail:
+            self.fail = False
+            raise ValueError("a bad batch")
+        return self.model(x)
+
+
+def _forward_retried_on_rank_1(timeout_s=2.0):
+    """Rank 1's third forward raises after its buffer broadcast and is run again: rank 1
+    broadcasts once more than rank 0, which is in its backward by then."""
+    rank = dist.get_rank()
+    model = _FailOnce()
+    try:
+        with tribucket.fused_bucketing(model, timeout=datetime.timedelta(seconds=timeout_s)):
+            for step in range(3):
+                x = batch("bn", rank, step)
+                if rank == 1 and step == 2:
+                    model.fail = True
+                    try:
+                        model(x)
+                    except ValueError:
+                        pass
+                loss_of(model(x)).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_rank_past_the_collective_is_named_ahead(dist_run):
+    messages = dist_run(_forward_retried_on_rank_1, world_size=2, timeout=60, teardown=True)
+    assert "behind it: rank 1" in messages[0], messages[0]
+    # rank 1 waits in a broadcast rank 0 never reaches: not "every rank reached this point"
+    assert "ahead of it: rank 0" in messages[1], messages[1]
+    assert "Every rank reached this point" not in messages[1], messages[1]
 
 
 def _load_rank0_powersgd_then_train(path):

@@ -160,9 +160,9 @@ class _HookResult:
 
     def wait(self) -> torch.Tensor:
         # bounded by timeout= (a Future has no timeout of its own), with the diagnosis
-        value = self.guard.wait_future(self.future, f"comm hook {hook_name(self.hook)} on "
-                                       f"{self.what}", self.iteration, own_code=True)
-        return check_result(self.hook, self.index, self.spec, value)
+        return self.guard.wait_future(
+            self.future, f"comm hook {hook_name(self.hook)} on {self.what}", self.iteration,
+            own_code=lambda value: check_result(self.hook, self.index, self.spec, value))
 
 
 class _SparseAllreduce:

@@ -19,9 +19,11 @@ import datetime
 import itertools
 import logging
 import os
+import re
 import sys
 import tempfile
 import threading
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,15 +40,15 @@ def _describe_progress(seen: int | None) -> str:
     return f"started backward iteration {seen // 2} but has not finished it"
 
 
-_BACKEND_WORDS = ("gloo", "nccl", "c10d", "connection", "timed out", "timeout", "pair closure",
-                  "processgroup", "process group", "socket", "peer")
+# whole words only: "peer" is inside "TypeError", which user code raises
+_BACKEND_WORDS = re.compile(r"\b(gloo|nccl|c10d|connection|timed out|timeout|pair closure|"
+                            r"processgroup|process group|socket|peer)\b")
 
 
 def _is_backend_error(e: BaseException) -> bool:
     """Whether ``e`` came from the communication library (a failed or timed out collective)
     rather than from user code run in a future's callback."""
-    text = str(e).lower()
-    return any(w in text for w in _BACKEND_WORDS)
+    return _BACKEND_WORDS.search(str(e).lower()) is not None
 
 
 def _first_line(e: BaseException) -> str:
@@ -284,6 +286,15 @@ class CommGuard:
                     f"{', '.join(behind)}: it is late (still starting up, a long "
                     "first batch or evaluation), stalled, crashed, or left the training "
                     "loop.")
+        # past where this rank stands (a collective of this iteration's forward, say, while
+        # the peer is in its backward): they did not pair this collective with this rank's
+        ahead = [f"rank {g} ({_describe_progress(seen)})" for g, seen in progress
+                 if seen is not None and seen > getattr(self, "_mine", 0)]
+        if ahead:
+            return (f" This rank is in iteration {iteration}; ahead of it: {', '.join(ahead)}, "
+                    "past this collective: the ranks ran different collectives (a forward or "
+                    "backward that raised on one rank and was run again, or a step one rank "
+                    "skipped).")
         # in the same pass: debug fingerprints (one per collective) tell where
         return (self.who_missed_call(_COLLECTIVE) or
                 " Every rank reached this point: a rank failed inside it.")
@@ -315,11 +326,13 @@ class CommGuard:
             f"{self._who_is_behind(iteration)} The process group cannot be used any more; "
             "end the job (torchrun restarts it) and resume from a checkpoint.")
 
-    def wait_future(self, fut, what: str, iteration: int, own_code: bool = False):
+    def wait_future(self, fut, what: str, iteration: int, own_code: Callable | None = None):
         """``fut.wait()`` bounded by the timeout (a Future has none of its own): a hook
         future that does not complete in time fails with the diagnosis of :meth:`wait`.
-        ``own_code``: the future runs user code (a comm hook's callbacks); an error that is
-        not the communication library's is reported as this rank's own, blaming no peer."""
+        ``own_code``: the future runs user code (a comm hook's callbacks), and this is the
+        check of its value (returns what to give back); an error that is not the
+        communication library's, or a value the check refuses, is reported as this rank's
+        own, blaming no peer."""
         if self.timeout is not None and not fut.done():
             done = threading.Event()
             fut.add_done_callback(lambda _: done.set())
@@ -328,20 +341,29 @@ class CommGuard:
                 raise self._failure(what, f"timed out after {self.timeout}", iteration)
         if own_code:
             try:
-                return fut.wait()
+                value = fut.wait()
             except Exception as e:
                 if not _is_backend_error(e):
-                    self.failed = True
-                    self.report_own_failure(f"{what} raised in iteration {iteration}: "
-                                            f"{_first_line(e)}")
-                    raise RuntimeError(
-                        f"tribucket (rank {self.rank}): {what} raised on this rank in "
-                        f"iteration {iteration}: {_first_line(e)}. The error is in the hook's "
-                        "own code on this rank, not in a peer; the other ranks wait for this "
-                        "rank's end-of-backward status and fail (at timeout=, naming it). End "
-                        "the job, fix the hook, and resume from a checkpoint.") from e
+                    raise self.own_failure(what, "raised", iteration, e) from e
                 return self.wait(fut, what, iteration)
+            try:
+                return own_code(value)  # the hook's result, checked
+            except RuntimeError as e:
+                raise self.own_failure(what, "failed", iteration, e) from e
         return self.wait(fut, what, iteration)
+
+    def own_failure(self, what: str, did: str, iteration: int,
+                    e: BaseException) -> RuntimeError:
+        """The error of user code (a comm hook) that failed on this rank, left in the store
+        for the peers' reports too."""
+        self.failed = True
+        self.report_own_failure(f"{what} {did} in iteration {iteration}: {_first_line(e)}")
+        return RuntimeError(
+            f"tribucket (rank {self.rank}): {what} {did} on this rank in iteration "
+            f"{iteration}: {_first_line(e)}. The error is in the hook's own code on this "
+            "rank, not in a peer; the other ranks wait for this rank's end-of-backward "
+            "status and fail (at timeout=, naming it). End the job, fix the hook, and "
+            "resume from a checkpoint.")
 
     # ----------------------------------------------------------------- debug fingerprints
     def fingerprint(self, kind: str, iteration: int, bucket: int, numel: int,
