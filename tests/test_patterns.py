@@ -734,3 +734,44 @@ def _weight_normed_both(variant: str) -> list[str]:
 def test_weight_norm_several_losses_and_tensor_hooks_train_as_with_ddp(dist_run, variant):
     for differ in dist_run(_weight_normed_both, variant, world_size=2, timeout=60):
         assert differ == [], differ
+
+
+def _after_close(use: str):
+    """A reducer used after its block ended: ``use`` is how. The error's text, or what
+    the backward left: whether the ranks' gradients differ."""
+    from models import batch, build, loss_of
+    rank = dist.get_rank()
+    model = build("mlp")
+    with tribucket.fused_bucketing(model) as reducer:
+        loss_of(model(batch("mlp", rank, 0))).backward()
+    model.zero_grad()
+    try:
+        if use == "with":
+            with reducer:
+                loss_of(model(batch("mlp", rank, 1))).backward()
+        elif use == "no_sync":
+            with reducer.no_sync():
+                pass
+        elif use == "join":
+            with reducer.join():
+                pass
+        else:
+            reducer.register_comm_hook(None, tribucket.hooks.fp16_compress_hook)
+    except RuntimeError as e:
+        return str(e)
+    grads = [p.grad for p in model.parameters()] if use == "with" else []
+    return f"no error (gradients differ across ranks: {_differ_across_ranks(grads)})"
+
+
+def _differ_across_ranks(grads: list) -> bool:
+    flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(1)
+    every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, flat)
+    return any(not torch.equal(every[0], e) for e in every[1:])
+
+
+@pytest.mark.parametrize("use", ["with", "no_sync", "join", "register_comm_hook"])
+def test_a_closed_reducer_refuses_to_be_used_again(dist_run, use):
+    # its hooks are off the model: `with reducer:` again averaged nothing, silently
+    for message in dist_run(_after_close, use):
+        assert "closed" in message and "fused_bucketing" in message, message

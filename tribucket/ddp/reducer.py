@@ -322,6 +322,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         """Accumulate gradients locally; the next backward outside reduces their sum.
 
         It holds back the expert reducers too (their replicas sync with the rest)."""
+        self._refuse_closed("reducer.no_sync()")
         bw = self._bw
         old, bw.sync_enabled = bw.sync_enabled, False
         try:
@@ -348,6 +349,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         own division) and its future's value becomes the bucket's content. torch's own hooks
         (``allreduce_hook``, ``fp16_compress_hook``, ``powerSGD_hook``...) run unchanged.
         """
+        self._refuse_closed("register_comm_hook")
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got "
                             f"{type(hook).__name__} {hook!r}")
@@ -475,7 +477,15 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         self._close(raise_errors=True)
 
     def __enter__(self) -> "Reducer":
+        self._refuse_closed("with reducer:")
         return self
+
+    def _refuse_closed(self, what: str) -> None:
+        if self._bw.closed:
+            raise RuntimeError(
+                f"{what}: this reducer was closed (its fused_bucketing block ended, or close() "
+                "was called), so its hooks are off the model and it would average nothing. "
+                "Enter tribucket.fused_bucketing(model) again for a new reducer.")
 
     def __exit__(self, exc_type, *exc) -> None:
         self._close(raise_errors=exc_type is None)  # never mask the body's own exception
@@ -545,6 +555,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         ``divide_by_initial_world_size`` (default ``True``, as DDP): divide gradients by the
         initial world size; ``False`` divides by the number of ranks still training.
         """
+        self._refuse_closed("Join (reducer.join())")
         refuse_join_with_experts(self.module)
         if self.config.skip_all_reduce_unused_params:
             raise ValueError("Join (uneven inputs) is not supported with "
