@@ -160,7 +160,8 @@ def _methods_vs_ddp():
         torch.testing.assert_close(a.grad, b.grad)
     ddp_data, our_data = theirs._get_ddp_logging_data(), ours._get_ddp_logging_data()
     for key in ("world_size", "rank", "module_name", "num_parameter_tensors",
-                "total_parameter_size_bytes", "bucket_cap_bytes", "comm_hook"):
+                "total_parameter_size_bytes", "bucket_cap_bytes", "comm_hook",
+                "find_unused_parameters", "gradient_as_bucket_view", "broadcast_buffers"):
         assert our_data[key] == ddp_data[key], (key, our_data[key], ddp_data[key])
     for key in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view",
                 "bucket_bytes_cap", "broadcast_buffers"):

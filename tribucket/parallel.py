@@ -369,8 +369,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             new.register_comm_hook(*self._comm_hook)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """DDP's logging dict: :meth:`tribucket.Reducer.logging_data`."""
-        return self.reducer.logging_data()
+        """DDP's logging dict: :meth:`tribucket.Reducer.logging_data`, with this wrapper's
+        own ``broadcast_buffers`` (0/1, as DDP's; its reducer runs DDP's rule as ``"ddp"``)."""
+        data = self.reducer.logging_data()
+        data["broadcast_buffers"] = int(self._user_broadcast_buffers)
+        return data
 
     def _remove_autograd_hooks(self) -> None:
         """DDP's: take the reducer's hooks off the module; here :meth:`close`."""
