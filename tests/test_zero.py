@@ -683,7 +683,7 @@ def test_tribucket_clip_of_a_sharded_model_clips_the_shards(dist_run):
         assert out["after"] == pytest.approx(out["max_norm"], rel=1e-4), out
 
 
-def _dcp_round_trip(path):
+def _dcp_round_trip(path, bf16=False):
     """The DCP recipe of docs/reliability.md with a ShardedOptimizer: ``get_state_dict(model,
     opt)`` saved by ``dcp.save``; a fresh model, reducer and optimizer (other weights, no
     optimizer state yet) loaded through ``dcp.load`` + ``set_state_dict`` continue bit for
@@ -699,7 +699,7 @@ def _dcp_round_trip(path):
             opt.step()
             opt.zero_grad()
 
-    model = _build(0)
+    model = _build(0, bf16=bf16)
     with tribucket.fused_bucketing(model, shard_optimizer=True, bucket_cap_mb=CAP) as reducer:
         opt = ShardedOptimizer(reducer, torch.optim.AdamW, _groups(model), lr=1e-2)
         steps(model, opt, 0, 3)
@@ -707,7 +707,7 @@ def _dcp_round_trip(path):
         dcp.save({"model": model_sd, "opt": opt_sd}, checkpoint_id=path)
         steps(model, opt, 3, 2)
     straight = {n: p.detach().clone() for n, p in model.named_parameters()}
-    model = _build(1)  # other weights: the checkpoint must bring them
+    model = _build(1, bf16=bf16)  # other weights: the checkpoint must bring them
     with tribucket.fused_bucketing(model, shard_optimizer=True, bucket_cap_mb=CAP) as reducer:
         opt = ShardedOptimizer(reducer, torch.optim.AdamW, _groups(model), lr=1e-2)
         fresh = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -722,11 +722,49 @@ def _dcp_round_trip(path):
     return untouched, [n for n, p in model.named_parameters() if not torch.equal(p, straight[n])]
 
 
-def test_a_dcp_checkpoint_resumes_bit_for_bit(dist_run, tmp_path):
-    for untouched, differ in dist_run(_dcp_round_trip, str(tmp_path / "ckpt"), world_size=2,
-                                      timeout=60):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16_layer"])
+def test_a_dcp_checkpoint_resumes_bit_for_bit(dist_run, tmp_path, bf16):
+    # a bf16 layer's fp32 master slices travel in the optimizer's state, and the model
+    # loaded after the optimizer was built is what the next step starts from
+    for untouched, differ in dist_run(_dcp_round_trip, str(tmp_path / "ckpt"), bf16,
+                                      world_size=2, timeout=60):
         assert untouched, "get_state_dict's zero-lr step moved the parameters"
         assert differ == [], differ
+
+
+def _weights_loaded_after_the_optimizer(how: str):
+    """New weights loaded into the model after its ShardedOptimizer was built (the order
+    torch.distributed.checkpoint's recipe loads in), then a step at lr 0: the largest
+    difference of a parameter from the loaded weights (torch's optimizer: 0)."""
+    rank = dist.get_rank()
+    model, other = _build(0, bf16=True), _build(1, bf16=True)
+    with tribucket.fused_bucketing(model, shard_optimizer=True, bucket_cap_mb=CAP) as reducer:
+        opt = ShardedOptimizer(reducer, torch.optim.AdamW,
+                               [p for p in model.parameters() if p.requires_grad], lr=0.0)
+        if how != "before_a_step":
+            model(_batch(rank, 0)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if how != "copy_":  # (waits for the step's gathers by itself)
+            model.load_state_dict(other.state_dict())
+        else:  # written in place, as an initialisation scheme would
+            opt.wait_parameters()  # (a direct write after step(): as docs/zero.md says)
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), other.parameters()):
+                    p.copy_(q)
+        model(_batch(rank, 1)).square().mean().backward()
+        opt.step()
+        opt.wait_parameters()
+    return max((p.float() - q.float()).abs().max().item()
+               for p, q in zip(model.parameters(), other.parameters()))
+
+
+@pytest.mark.parametrize("how", ["before_a_step", "load_state_dict", "copy_"])
+def test_weights_loaded_after_the_optimizer_are_kept(dist_run, how):
+    # a bf16 parameter's shard is stepped in an fp32 master copy: it must take the new
+    # weights, not bring the old ones back at the next step
+    for gap in dist_run(_weights_loaded_after_the_optimizer, how, world_size=2, timeout=60):
+        assert gap == 0.0, gap
 
 
 def _stall_before_the_step(what: str, timeout_s: float = 2.0):

@@ -25,6 +25,7 @@ elements (no norms, no matrix shapes). See ``ELEMENTWISE_OPTIMIZERS``.
 from __future__ import annotations
 
 import collections
+import operator
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -44,6 +45,8 @@ from ._zero_state import (_FORMAT, _check_format, _param_shaped, _to_cpu,  # noq
 __all__ = ["ShardedOptimizer", "ELEMENTWISE_OPTIMIZERS", "merge_sharded_state_dicts"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+#: the state key of a float16/bfloat16 parameter's fp32 master copy, in the state dicts
+MASTER_KEY = "fp32_master"
 
 
 class _Segment:
@@ -161,6 +164,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         "separate torch optimizer")
         self._flat, self._master, self._segments = self._build(shards, where, averaged)
         self._where = where
+        # per low-precision bucket: its parameters, and the sum of their version counters
+        # when its fp32 master slice last rounded to them; a write through a parameter
+        # since (the model's load_state_dict) is taken into the master at the next step
+        # (None: an fp32 bucket, whose master is its own shard)
+        self._low = [[averaged[i] for i in bucket.indices]
+                     if master.dtype != bucket.dtype else None
+                     for bucket, master in zip(self.reducer.layout.buckets, self._master)]
+        self._seen: list[int | None] = [None if ps is None else _versions(ps)
+                                        for ps in self._low]
         # zero_grad(set_to_none=False) keeps a zero .grad on every parameter that had one:
         # torch's optimizer steps those even where unused (momentum, weight decay)
         self._set_to_none = True
@@ -215,6 +227,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 hook = HookRef(self, "_wait_hook", (tuple(buckets),))
                 handles.append(m.register_forward_pre_hook(hook))
                 handles.append(m.register_state_dict_pre_hook(hook))
+                handles.append(m.register_load_state_dict_pre_hook(hook))
         return handles
 
     def _wait_hook(self, buckets, *_module_and_args) -> None:
@@ -352,6 +365,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         _refuse_loss_scaling(self)
         self._guard.mark_call("opt.step()")
         self.wait_parameters()  # a step before the next forward: the last gathers are done
+        self._take_written_parameters()
         tr = self.reducer._comm.tracer
         rec = tr.begin("optimizer.step") if tr is not None else None
         loss = None
@@ -405,21 +419,36 @@ class ShardedOptimizer(torch.optim.Optimizer):
             seg.tensor.grad = flat
 
     def _gather_parameters(self) -> None:
-        if self._world == 1:
-            for flat, master in zip(self._flat, self._master):
-                if master.data_ptr() != flat.data_ptr():
-                    flat.narrow(0, 0, master.numel()).copy_(master)
-            return
-        shards = self.reducer.shards
         # the last bucket holds the first layers: gathered first, needed first
-        for b in reversed(range(len(shards))):
-            flat, master = self._flat[b], self._master[b]
-            mine = flat.narrow(0, shards[b].lo, shards[b].shard_numel)
+        for b in reversed(range(len(self._flat))):
+            flat, master, mine = self._flat[b], self._master[b], self._mine(b)
             if master.data_ptr() != mine.data_ptr():
                 mine.copy_(master)  # one rounding of the fp32 master to the parameter dtype
-            self._gathers[b] = all_gather_single(flat, mine, group=self._group, async_op=True)
+            if self._world > 1:
+                self._gathers[b] = all_gather_single(flat, mine, group=self._group,
+                                                     async_op=True)
         if not self._overlap:
             self.wait_parameters()
+
+    def _mine(self, b: int) -> torch.Tensor:
+        """This rank's shard of bucket ``b``'s parameters (in their buffer)."""
+        return self._flat[b].narrow(0, self.reducer.shards[b].lo, self._master[b].numel())
+
+    def _take_written_parameters(self) -> None:
+        """Parameters of a low-precision bucket written since its master last rounded to
+        them (the model's ``load_state_dict``, an in-place initialisation) go into the fp32
+        master slice, which the step updates: elementwise, where the parameter is not the
+        master's rounding (a master loaded with the optimizer's state is kept, exact). The
+        parameters' own writes are seen (their version counters; the buffer's writes, the
+        optimizer's own, are not)."""
+        for b, (params, seen) in enumerate(zip(self._low, self._seen)):
+            if params is None:
+                continue
+            now = _versions(params)
+            if now != seen:
+                master, mine = self._master[b], self._mine(b)
+                master.copy_(torch.where(mine == master.to(mine.dtype), master, mine.float()))
+                self._seen[b] = now
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -453,12 +482,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         load it with :meth:`load_sharded_state_dict` at the same world size, or merge all
         ranks' with :func:`merge_sharded_state_dicts`."""
         self.wait_parameters()
+        self._take_written_parameters()
         self._options_down()
+        optimizer = self.optim.state_dict()
+        # a low-precision slice's fp32 master travels with its state (as in Megatron's
+        # distributed optimizer): the parameters hold only its rounding
+        for j, seg in enumerate(self._inner):
+            if seg is not None and self._seen[seg.bucket] is not None and \
+                    optimizer["state"].get(j):
+                optimizer["state"][j] = {**optimizer["state"][j],
+                                         MASTER_KEY: seg.tensor.detach().clone()}
         return {
             "format": _FORMAT,
             "world_size": self._world,
             "rank": self._rank,
-            "optimizer": self.optim.state_dict(),
+            "optimizer": optimizer,
             # per wrapped-optimizer tensor: its length and the parameter pieces it holds
             "segments": [(0, []) if s is None else (s.length, list(s.pieces))
                          for s in self._inner],
@@ -486,8 +524,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("this optimizer shard was saved for other parameters or another "
                              "bucket layout (model, param groups or bucket_cap_mb differ); "
                              "save and load with state_dict()/load_state_dict() instead")
-        self.optim.load_state_dict(state["optimizer"])
+        self._load_inner(state["optimizer"])
         self._options_up()
+
+    def _load_inner(self, inner: dict) -> None:
+        """Load the wrapped optimizer's state; the fp32 master slices saved in it go into
+        the masters (checked against the parameters at the next step: see
+        :meth:`_take_written_parameters`)."""
+        entries = dict(inner["state"])
+        for j, entry in inner["state"].items():
+            seg = self._inner[j] if j < len(self._inner) else None
+            if MASTER_KEY in entry:
+                entries[j] = {k: v for k, v in entry.items() if k != MASTER_KEY}
+                if seg is not None and self._seen[seg.bucket] is not None:
+                    seg.tensor.copy_(entry[MASTER_KEY].reshape(-1))
+        self.optim.load_state_dict({**inner, "state": entries})
+        self._seen = [None if v is None else -1 for v in self._seen]  # checked at the step
 
     def _uneven_segment_states(self, saved_state: dict, ids: list) -> str | None:
         """Why ``saved_state`` cannot load: two parameters that may share a flat segment
@@ -595,7 +647,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             n = len(group["params"])
             inner_groups.append({**_options(saved), "params": list(range(k, k + n))})
             k += n
-        self.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        self._load_inner({"state": inner_state, "param_groups": inner_groups})
         self._options_up()
         for post in self._optimizer_load_state_dict_post_hooks.values():
             post(self)
@@ -607,6 +659,14 @@ def _scalars(st: dict | None, shape: tuple) -> tuple | None:
         return None
     return tuple(sorted((k, v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
                         for k, v in st.items() if not _param_shaped(k, v, shape)))
+
+
+def _versions(params: list[torch.Tensor]) -> int:
+    """The sum of the tensors' version counters (grows with each in-place write)."""
+    return sum(map(_version_of, params))
+
+
+_version_of = operator.attrgetter("_version")
 
 
 def _options(group: dict) -> dict:
