@@ -775,3 +775,21 @@ def test_a_closed_reducer_refuses_to_be_used_again(dist_run, use):
     # its hooks are off the model: `with reducer:` again averaged nothing, silently
     for message in dist_run(_after_close, use):
         assert "closed" in message and "fused_bucketing" in message, message
+
+
+def _ignored_on_rank_1():
+    from models import build
+    model = build("mlp")
+    ignored = ["layers.0.bias"] if dist.get_rank() == 1 else []
+    try:
+        tribucket.fused_bucketing(model, ignore_parameters=ignored)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_ignore_parameters_that_differ_across_ranks_are_named(dist_run):
+    # not "the model differs across ranks" (it does not): the option does
+    for message in dist_run(_ignored_on_rank_1, world_size=2, timeout=60):
+        assert message is not None and "ignore_parameters" in message, message
+        assert "layers.0.bias" in message and "model differs" not in message, message

@@ -36,6 +36,9 @@ class ModelView:
     frozen: list[tuple[str, torch.Tensor]]
     #: why this rank cannot go on (a parameter without data), refused on every rank at once
     problem: str | None = None
+    #: names of the parameters and buffers ``ignore_parameters`` leaves out (compared
+    #: across ranks as an option)
+    ignored: list[str] = dataclasses.field(default_factory=list)
 
 
 def module_buffers(module: nn.Module, ignore_names) -> list[tuple[str, torch.Tensor]]:
@@ -79,10 +82,12 @@ def inspect_model(module: nn.Module, ignore_parameters: tuple, only=None) -> Mod
 
     state_params = [(n, p) for n, p in named if not ignored(n, p)]
     buffers = [] if only is not None else module_buffers(module, ignore_names)
+    left_out = sorted({n for n, p in named if id(p) in ignore_ids or n in ignore_names}
+                      | {n for n, _ in module.named_buffers() if n in ignore_names})
     problem = _without_storage(state_params, buffers)
     if problem is not None:  # (shape and device unknown: refused in the entry check)
         return ModelView(state_params, buffers, [], [], {}, torch.device("cpu"), [], [],
-                         problem)
+                         problem, left_out)
     grad_params = [(n, p) for n, p in state_params if p.requires_grad]
     names = [n for n, _ in grad_params]
     params = [p for _, p in grad_params]
@@ -101,7 +106,8 @@ def inspect_model(module: nn.Module, ignore_parameters: tuple, only=None) -> Mod
                      # a bucket of its own: sparse gradients, and complex ones (all-reduced
                      # as torch.distributed does, viewed as real)
                      [id(p) in sparse_ids or p.is_complex() for p in params],
-                     [(n, p) for n, p in state_params if not p.requires_grad])
+                     [(n, p) for n, p in state_params if not p.requires_grad],
+                     ignored=left_out)
 
 
 def _without_storage(params: list, buffers: list) -> str | None:
@@ -208,6 +214,8 @@ def verify_across_ranks(view: ModelView, group, world_size: int, config: Any = N
     meta += [("buffer", n, tuple(b.shape), tuple(b.stride()), str(b.dtype), False,
               b.device.type) for n, b in view.buffers]
     options = _options_of(config) if config is not None else {}
+    if config is not None:  # (by name: the tensors given differ from rank to rank)
+        options["ignore_parameters"] = view.ignored
     options.update(extra or {})
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, (options, meta, problem), group=group)
