@@ -640,3 +640,41 @@ def test_evaluating_ddp_module_on_one_rank_as_with_torch_ddp(dist_run):
     for (_, p_mine, b_mine), (_, p_theirs, b_theirs) in zip(mine, theirs):
         for a, b in zip(p_mine + b_mine, p_theirs + b_theirs):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _dcp_across_wrappers(path: str):
+    """A torch.distributed.checkpoint of torch DDP + AdamW loaded into the wrapper through
+    its ``.module`` (and the way back): the keys, then whether the loaded weights and the
+    optimizer's state equal the saved ones."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    rank = dist.get_rank()
+    theirs = DDP(build("mlp", seed=0))
+    opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    loss_of(theirs(batch("mlp", rank, 0))).backward()
+    opt.step()
+    saved_model, saved_opt = get_state_dict(theirs, opt)
+    dcp.save({"model": saved_model, "opt": saved_opt}, checkpoint_id=path)
+    ours = tribucket.DistributedDataParallel(build("mlp", seed=1))
+    opt2 = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    loss_of(ours(batch("mlp", rank, 0))).backward()
+    opt2.step()  # (a state to load into)
+    model_sd, opt_sd = get_state_dict(ours.module, opt2)
+    keys_equal = sorted(model_sd) == sorted(saved_model)
+    state = {"model": model_sd, "opt": opt_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(ours.module, opt2, model_state_dict=state["model"],
+                   optim_state_dict=state["opt"])
+    weights = all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
+    moments = all(torch.equal(opt2.state[a]["exp_avg"], opt.state[b]["exp_avg"])
+                  for a, b in zip(ours.parameters(), theirs.parameters()))
+    ours.close()
+    return keys_equal, weights, moments
+
+
+def test_dcp_checkpoints_cross_with_ddp_through_module(dist_run, tmp_path):
+    # torch's get_state_dict drops DDP's "module." by DDP's class; the wrapper's .module
+    # gives the same keys
+    for result in dist_run(_dcp_across_wrappers, str(tmp_path / "ckpt"), world_size=2,
+                           timeout=60):
+        assert result == (True, True, True), result
