@@ -956,3 +956,27 @@ def _unused_head_keeps_zero_grad():
 def test_unused_parameters_with_zeroed_grads_step_as_torch(dist_run):
     for diff in dist_run(_unused_head_keeps_zero_grad, world_size=2, timeout=60):
         assert diff == 0.0, diff
+
+
+def _plain_state_into_sharded():
+    """A reducer state saved without shard_optimizer (its layout rebuilt in the gradients'
+    ready order after the first backward), loaded into a shard_optimizer=True reducer with
+    the same bucket_cap_mb: the refusal's text."""
+    rank = dist.get_rank()
+    model = _build(0)
+    with tribucket.fused_bucketing(model, bucket_cap_mb=CAP) as reducer:
+        model(_batch(rank, 0)).square().mean().backward()
+        state = reducer.state_dict()
+    with tribucket.fused_bucketing(model, bucket_cap_mb=CAP, shard_optimizer=True) as reducer:
+        try:
+            reducer.load_state_dict(state)
+        except ValueError as e:
+            return state["rebuilt"], str(e)
+    return state["rebuilt"], None
+
+
+def test_a_rebuilt_layout_refused_by_a_sharded_reducer_says_why(dist_run):
+    # the caps are the same: the saved layout was rebuilt, which a sharded reducer never does
+    for rebuilt, message in dist_run(_plain_state_into_sharded, world_size=2, timeout=60):
+        assert rebuilt and message is not None, (rebuilt, message)
+        assert "rebuilt" in message and "ready order" in message, message

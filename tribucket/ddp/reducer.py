@@ -449,9 +449,15 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
             self._guard.report_own_failure(f"load_state_dict raised {type(e).__name__}: {e}")
             raise
         if bw.shards is not None and layout.bucket_indices() != bw.layout.bucket_indices():
+            why = ("it was saved by a reducer without shard_optimizer, whose layout was "
+                   "rebuilt in the gradients' ready order after its first backward (a "
+                   "sharded reducer keeps the model order); load a state saved with "
+                   "shard_optimizer=True, or leave the reducer state out (the iteration "
+                   "count and layout start afresh)" if progress["rebuilt"] else
+                   "use the same bucket_cap_mb as the saved run")
             raise ValueError("this reducer state has another bucket layout than this "
                              "shard_optimizer=True reducer, whose sharded optimizer lives on "
-                             "its own buckets: use the same bucket_cap_mb as the saved run")
+                             f"its own buckets: {why}")
         bw.layout = layout
         bw.rebuilt = progress["rebuilt"]
         if bw.tuner is not None and state.get("autotune") is not None:
