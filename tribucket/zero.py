@@ -577,7 +577,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """The whole-model state in torch's structure (as ``optimizer_class`` over the same
-        param groups would give it; fp32 state for fp16/bf16 parameters), gathered from
+        param groups would give it; fp32 state for fp16/bf16 parameters, each with its fp32
+        master copy under ``"fp32_master"``), gathered from
         every rank: call on every rank; every rank gets it. Runs the hooks of
         ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook``, as torch's."""
         for pre in self._optimizer_state_dict_pre_hooks.values():

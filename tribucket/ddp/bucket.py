@@ -162,7 +162,10 @@ class _HookResult:
         # bounded by timeout= (a Future has no timeout of its own), with the diagnosis
         return self.guard.wait_future(
             self.future, f"comm hook {hook_name(self.hook)} on {self.what}", self.iteration,
-            own_code=lambda value: check_result(self.hook, self.index, self.spec, value))
+            own_code=self._checked)
+
+    def _checked(self, value) -> torch.Tensor:
+        return check_result(self.hook, self.index, self.spec, value)
 
 
 class _SparseAllreduce:
