@@ -372,6 +372,35 @@ class MoENet(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=LR)
 
 
+def _moe_resume(tmp: str) -> dict:
+    """An MoE module (each rank its own experts): fit 1 epoch with ModelCheckpoint, resume
+    from its last.ckpt for a second; the resumed run ends where a 2-epoch run ends, every
+    rank's experts and expert moments restored (Lightning writes rank 0's file only)."""
+    root = os.path.join(tmp, "moe")
+    L.seed_everything(1, verbose=False)
+    cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_last=True)
+    _trainer("tribucket", root, max_epochs=1, enable_checkpointing=True,
+             callbacks=[cb]).fit(MoENet(), _loader())
+    dist.barrier()
+    saved = torch.load(os.path.join(root, "last.ckpt"), weights_only=False)["state_dict"]
+    L.seed_everything(100, verbose=False)
+    resumed = MoENet()  # other weights: everything must come from the checkpoint
+    _trainer("tribucket", root, max_epochs=2).fit(resumed, _loader(),
+                                                  ckpt_path=os.path.join(root, "last.ckpt"))
+    L.seed_everything(1, verbose=False)
+    straight = MoENet()
+    _trainer("tribucket", os.path.join(tmp, "straight"), max_epochs=2).fit(straight, _loader())
+    _assert_same(resumed, straight, "resumed against uninterrupted")
+    return sorted(k for k in saved if k.startswith("moe."))
+
+
+@pytest.mark.dist
+def test_moe_checkpoint_holds_every_ranks_experts(dist_run):
+    with tempfile.TemporaryDirectory() as tmp:
+        keys = dist_run(_moe_resume, tmp, timeout=180)
+    assert keys[0] == keys[1] and len(keys) > 0, keys
+
+
 def _hand_written(model: nn.Module, hook, steps: int, clip=None, **options) -> None:
     """The loop the strategy stands for: fused_bucketing, the same batches, AdamW."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -438,6 +467,39 @@ def _fabric_run(strategy: str, accumulate: int, clip: float | None, precision: s
                 opt.step()
                 opt.zero_grad()
     return net
+
+
+def _fabric_moe_resume(path: str) -> bool:
+    """An MoE module under Fabric: 2 steps, fabric.save, 2 more; a fresh module and
+    optimizer fabric.load-ed from the file then take the same 2 steps: whether they end
+    equal (each rank's experts and their moments restored from rank 0's file)."""
+    fabric = L.Fabric(strategy="tribucket", accelerator="cpu", devices=2)
+    fabric.launch()
+    batches = list(_loader())[:4]
+
+    def steps(model, opt, part):
+        for batch in part:
+            fabric.backward(model(*batch))
+            opt.step()
+            opt.zero_grad()
+
+    L.seed_everything(1, verbose=False)
+    net = MoENet()
+    model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=LR))
+    steps(model, opt, batches[:2])
+    fabric.save(path, {"model": model, "opt": opt})
+    steps(model, opt, batches[2:])
+    L.seed_everything(100, verbose=False)
+    fresh = MoENet()
+    model2, opt2 = fabric.setup(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR))
+    fabric.load(path, {"model": model2, "opt": opt2})
+    steps(model2, opt2, batches[2:])
+    return all(torch.equal(a, b) for a, b in zip(net.parameters(), fresh.parameters()))
+
+
+@pytest.mark.dist
+def test_fabric_moe_checkpoint_resumes(dist_run, tmp_path):
+    assert dist_run(_fabric_moe_resume, str(tmp_path / "moe.ckpt"), timeout=180) == [True] * 2
 
 
 def _fabric_both(accumulate: int, clip: float | None, precision: str) -> dict:

@@ -34,6 +34,7 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 try:
@@ -55,6 +56,7 @@ from lightning.pytorch.strategies import StrategyRegistry as _PL_REGISTRY
 from lightning.pytorch.trainer.states import TrainerFn
 
 from . import hooks as _hooks
+from ._tags import is_expert_parallel
 from .amp import GradScaler
 from .clip import clip_grad_norm_
 from .config import ReducerConfig
@@ -65,6 +67,8 @@ __all__ = ["FusedBucketingStrategy", "FusedBucketingFabricStrategy", "CHECKPOINT
 
 #: where the reducer's state goes in a Lightning checkpoint
 CHECKPOINT_KEY = "tribucket"
+#: a checkpoint entry saved per rank (an expert-parallel model's optimizer state)
+PER_RANK_KEY = "tribucket_per_rank"
 
 _HOOKS = {None: None, "allreduce": _hooks.allreduce_hook, "fp16": _hooks.fp16_compress_hook,
           "bf16": _hooks.bf16_compress_hook}
@@ -92,6 +96,66 @@ def _options(hook, hook_state, options: dict) -> tuple[Callable | None, Any, dic
                          "write the loop with tribucket.fused_bucketing(model, "
                          "shard_optimizer=True)")
     return _resolve_hook(hook), hook_state, options
+
+
+# -- checkpoints of expert-parallel models: Lightning writes rank 0's file only
+def _has_experts(module: nn.Module) -> bool:
+    return any(is_expert_parallel(p) for p in module.parameters())
+
+
+def _every_ranks_experts(state: dict) -> dict:
+    """On rank 0, the module state dict ``state`` with the entries rank 0 lacks from every
+    other rank's (their experts, named by global index: the merged file an MoE layer loads);
+    elsewhere ``state``. A collective: every rank calls it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    keys = [list(state) if rank == 0 else None]
+    dist.broadcast_object_list(keys, src=0)
+    known = set(keys[0])
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object({k: v for k, v in state.items() if k not in known}, gathered, dst=0)
+    if rank != 0:
+        return state
+    merged = dict(state)
+    for part in gathered:
+        merged.update({k: v for k, v in part.items() if k not in merged})
+    return merged
+
+
+def _per_rank(value: Any) -> Any:
+    """On rank 0, every rank's ``value`` (an optimizer's state: its experts' moments are its
+    own) as ``{PER_RANK_KEY: [...]}``; elsewhere ``value``. A collective."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(value, gathered, dst=0)
+    return {PER_RANK_KEY: gathered} if rank == 0 else value
+
+
+def _own_parts(checkpoint: dict, rank: int, world: int) -> dict:
+    """``checkpoint`` with each entry saved per rank replaced by this rank's."""
+    out = dict(checkpoint)
+    for key, value in checkpoint.items():
+        if isinstance(value, dict) and PER_RANK_KEY in value:
+            states = value[PER_RANK_KEY]
+            if len(states) != world:
+                raise ValueError(
+                    f"checkpoint entry {key!r} holds the state of each of {len(states)} ranks "
+                    f"(an expert-parallel model's optimizer: each rank's experts have their "
+                    f"own), but this run has {world} ranks: resume at {len(states)} ranks")
+            out[key] = states[rank]
+    return out
+
+
+class _OwnPartsIO:
+    """A checkpoint IO that gives this rank its own part of each per-rank entry."""
+
+    def __init__(self, io: Any, rank: int, world: int):
+        self._io, self._rank, self._world = io, rank, world
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict:
+        return _own_parts(self._io.load_checkpoint(*args, **kwargs), self._rank, self._world)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._io, name)
 
 
 class _Wrapper(nn.Module):
@@ -239,6 +303,12 @@ class FusedBucketingStrategy(_PLDDPStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         if self.reducer is not None and "optimizer_states" in checkpoint:  # not weights_only
             checkpoint = {**checkpoint, CHECKPOINT_KEY: self._reducer_state()}
+        if self.world_size > 1 and _has_experts(self.lightning_module):
+            # every rank's experts and their moments, into the file rank 0 writes
+            checkpoint = {**checkpoint,
+                          "state_dict": _every_ranks_experts(checkpoint["state_dict"])}
+            if "optimizer_states" in checkpoint:
+                checkpoint["optimizer_states"] = _per_rank(checkpoint["optimizer_states"])
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _reducer_state(self) -> dict:
@@ -257,7 +327,9 @@ class FusedBucketingStrategy(_PLDDPStrategy):
         return state
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = _own_parts(super().load_checkpoint(checkpoint_path,
+                                                        weights_only=weights_only),
+                                self.global_rank, self.world_size)
         self._restored = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint
 
@@ -331,6 +403,33 @@ class FusedBucketingFabricStrategy(_FabricDDPStrategy):
     def load_module_state_dict(self, module: nn.Module, state_dict, strict: bool = True) -> None:
         module = module.module if isinstance(module, _Wrapper) else module
         super().load_module_state_dict(module=module, state_dict=state_dict, strict=strict)
+
+    def save_checkpoint(self, path, state: dict, storage_options: Any = None,
+                        filter: dict | None = None) -> None:
+        modules = {k for k, v in state.items() if isinstance(v, nn.Module)}
+        if self.world_size == 1 or not any(_has_experts(state[k]) for k in modules):
+            return super().save_checkpoint(path, state, storage_options=storage_options,
+                                           filter=filter)
+        # every rank's experts and their optimizers' moments, into the file rank 0 writes
+        converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        for key, obj in state.items():
+            if key in converted and key in modules:
+                converted[key] = _every_ranks_experts(converted[key])
+            elif key in converted and isinstance(obj, torch.optim.Optimizer):
+                converted[key] = _per_rank(converted[key])
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint=converted, path=path,
+                                               storage_options=storage_options)
+
+    def load_checkpoint(self, path, state: Any = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict:
+        io = self.checkpoint_io
+        self.checkpoint_io = _OwnPartsIO(io, self.global_rank, self.world_size)
+        try:
+            return super().load_checkpoint(path, state=state, strict=strict,
+                                           weights_only=weights_only)
+        finally:
+            self.checkpoint_io = io
 
     def clip_gradients_norm(self, module: nn.Module, optimizer, max_norm, norm_type=2.0,
                             error_if_nonfinite: bool = True) -> torch.Tensor:
