@@ -830,3 +830,65 @@ def test_dtype_changed_after_entering_is_named(dist_run, change, native_hooks):
         else:
             assert kind == "ok" and detail < 1e-6, (kind, detail)
         assert again < 1e-5, f"{change}: after entering again, max |grad - reference| {again}"
+
+
+# ------------------------------------------------------------ leaving on an exception
+def _leave_on_exception(kind, timeout_s=2.0):
+    """Rank 1 leaves fused_bucketing on an exception while rank 0 trains on: with trace=,
+    leaving must not start the trace's gather (rank 0 is in its next step's collective).
+    ``(what this rank raised, seconds it took)``."""
+    import time
+    rank = dist.get_rank()
+    model = build("mlp")
+    start = time.monotonic()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            with tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
+                                           timeout=datetime.timedelta(seconds=timeout_s),
+                                           trace=os.path.join(tmp, "t.json")):
+                for step in range(3):
+                    if rank == 1 and step == 1:
+                        raise ValueError("a bad batch")
+                    loss_of(model(batch("mlp", rank, step))).backward()
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}", time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def test_leaving_on_an_exception_with_a_trace_starts_no_collective(dist_run):
+    results = dist_run(_leave_on_exception, "trace", world_size=2, timeout=60, teardown=True)
+    mine, took = results[1]
+    assert mine == "ValueError: a bad batch" and took < 10, results[1]
+    theirs, _ = results[0]  # rank 0: its next step's collective, bounded by timeout=
+    assert theirs is not None and "rank 1" in theirs, theirs
+
+
+def _interrupted_apart():
+    """Ctrl-C reaching the ranks at different points: rank 1 in the middle of its backward
+    (some buckets launched), rank 0 in its forward. Both leave fused_bucketing with
+    KeyboardInterrupt: leaving must not settle the unfinished pass with collectives the
+    other rank will never issue. ``(raised, seconds)``."""
+    import time
+    rank = dist.get_rank()
+    model = build("mlp")
+    start = time.monotonic()
+
+    def interrupt(grad):
+        raise KeyboardInterrupt
+
+    try:
+        with tribucket.fused_bucketing(model, bucket_cap_mb=0.001):
+            loss_of(model(batch("mlp", rank, 0))).backward()
+            if rank == 1:
+                model.layers[0].weight.register_hook(interrupt)  # (its last gradient)
+                loss_of(model(batch("mlp", rank, 1))).backward()
+            else:
+                raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt", time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def test_leaving_on_an_interrupt_settles_nothing(dist_run):
+    for raised, took in dist_run(_interrupted_apart, world_size=2, timeout=60, teardown=True):
+        assert raised == "KeyboardInterrupt" and took < 10, (raised, took)

@@ -281,8 +281,9 @@ class ManagedReducer(Reducer):
                     f"{key!r} from this replica group's: build the same model, options and "
                     "comm hook on every replica group")
 
-    def _close(self, raise_errors: bool, at_exit: bool = False) -> None:
+    def _close(self, raise_errors: bool, at_exit: bool = False,
+               interrupted: bool = False) -> None:
         slot = getattr(self, "_slot", None)
         if slot is not None and slot.ref() is self:
             slot.ref = lambda: None
-        super()._close(raise_errors, at_exit)
+        super()._close(raise_errors, at_exit, interrupted)

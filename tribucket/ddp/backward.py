@@ -624,10 +624,11 @@ class Backward:
         if self.tuner is not None:  # bucket_cap_mb="auto": a step, not measured (autotune.py)
             self.tuner.after_step(self, None)
 
-    def finish_in_flight(self) -> Exception | None:
+    def finish_in_flight(self, abandon: bool = False) -> Exception | None:
         """``close()``: settle the pass left unfinished (see :meth:`settle_abandoned`) so no
-        peer is left waiting; the error that raised, if any."""
-        if self.guard.failed:
+        peer is left waiting; the error that raised, if any. ``abandon``: drop it instead
+        (an interrupt: the process ends, and the peers' passes need not pair)."""
+        if self.guard.failed or abandon:
             self.pass_ = self.skip_pending = self.pending_status = None
             return None
         try:

@@ -494,9 +494,13 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
                 "Enter tribucket.fused_bucketing(model) again for a new reducer.")
 
     def __exit__(self, exc_type, *exc) -> None:
-        self._close(raise_errors=exc_type is None)  # never mask the body's own exception
+        # never mask the body's own exception; an interrupt (Ctrl-C reaches every rank, each
+        # at its own point) or an exit settles nothing: the peers' passes need not pair
+        self._close(raise_errors=exc_type is None, interrupted=exc_type is not None and
+                    issubclass(exc_type, (KeyboardInterrupt, SystemExit)))
 
-    def _close(self, raise_errors: bool, at_exit: bool = False) -> None:
+    def _close(self, raise_errors: bool, at_exit: bool = False,
+               interrupted: bool = False) -> None:
         if self._bw.closed:
             return
         self._bw.closed = True
@@ -519,11 +523,14 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         for ref in [*self._hook_refs, *self._bw.grad_hooks]:
             ref.detach()  # graphs still holding a hook no longer reach the reducer
         self._hook_refs.clear()
-        e = self._bw.finish_in_flight()  # so no peer is left waiting
+        e = self._bw.finish_in_flight(abandon=interrupted)  # so no peer is left waiting
         for r in self.expert_reducers:
-            r._close(raise_errors)
+            r._close(raise_errors, interrupted=interrupted)
         tracer, self._comm.tracer = self._comm.tracer, None
-        if tracer is not None and e is None and not self._guard.failed and not at_exit:
+        # (not when leaving on an exception: the peers may be in their next step's
+        # collectives, which the trace's gather would pair with)
+        if tracer is not None and e is None and raise_errors and not self._guard.failed \
+                and not at_exit:
             #: the trace file rank 0 wrote (every rank's events; None elsewhere)
             self.trace_path = tracer.close()  # a gather to rank 0: every rank closes
         self._release()
