@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import runpy
 import select
 import shutil
@@ -40,9 +41,20 @@ WORKER = os.path.join(HERE, "_ft_worker.py")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below Linux's ephemeral range (32768-60999): a port the system hands
+    out (bind to 0: torchft's manager servers, gloo's connections) is never one of these,
+    so it cannot be taken between this check and the process that binds it (a TCPStore
+    once failed with EADDRINUSE so)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def lighthouse_binary() -> str:
