@@ -290,8 +290,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="tables to rewrite (default: every one)")
     args = parser.parse_args()
-    unknown = sorted(set(args.names) - known_tables())
+    known = known_tables()
+    unknown = sorted(set(args.names) - known)
     if unknown:
-        parser.error(f"no page has the tables {unknown}; the tables are "
-                     f"{sorted(known_tables())}")
+        parser.error(f"no page has the tables {unknown}; the tables are {sorted(known)}")
     print("updated:", ", ".join(update(args.names or None)) or "nothing")

@@ -238,7 +238,10 @@ class EntryTypes:
     def __init__(self, params: list[torch.Tensor], names: list[str]):
         self.params, self.names = params, names
         self.types = [(p.dtype, p.device) for p in params]
-        self.sample = sorted({t: i for i, t in reversed(list(enumerate(self.types)))}.values())
+        first: dict = {}
+        for i, t in enumerate(self.types):
+            first.setdefault(t, i)
+        self.sample = list(first.values())  # the first parameter of each dtype and device
 
     def changed(self, indices: Iterable[int] | None = None) -> list[int]:
         """The parameters (of ``indices``; all by default) whose dtype or device is not the
