@@ -763,36 +763,39 @@ def test_requires_grad_changed_after_entering_is_named(dist_run, change):
 
 
 # ------------------------------------------------------------ dtype or device changed mid-run
-def _retyped_after_entering(change, native_hooks):
+def _retyped_after_entering(change, native_hooks, device="cpu"):
     """Two steps, then the model converted in place (``model.double()``, or
-    ``model.half().float()``, which leaves the dtype as it was), then a step; then the fix
-    the error gives (enter again) and a step. ``(native path on, outcome, message, largest
-    difference from the reference after entering again)``."""
+    ``model.half().float()``, which leaves the dtype as it was; on a GPU, ``model.cpu()``),
+    then a step; then the fix the error gives (enter again) and a step. ``(native path on,
+    outcome, message, largest difference from the reference after entering again)``."""
     rank = dist.get_rank()
-    model = build("mlp")
+    model = build("mlp").to(device)
     with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT,
                                    native_hooks=native_hooks,
                                    find_unused_parameters=change == "layer_find_unused") as r:
         native = r._bw.native is not NO_NATIVE
         for step in range(2):
             model.zero_grad()
-            loss_of(model(batch("mlp", rank, step))).backward()
+            loss_of(model(batch("mlp", rank, step).to(device))).backward()
         model.zero_grad()
         if change == "double":
             model.double()
         elif change == "half_float":
             model.half().float()
+        elif change == "cpu":
+            model.cpu()
         else:  # one layer, and a parameter the forward reaches may go without a gradient
             model.layers[2].half().float()
-        dtype = next(model.parameters()).dtype
+        p0 = next(model.parameters())
         kind, message = _outcome(
-            lambda: loss_of(model(batch("mlp", rank, 2).to(dtype))).backward())
+            lambda: loss_of(model(batch("mlp", rank, 2).to(p0.device, p0.dtype))).backward())
         if kind == "ok":  # averaged, then (the Python hooks stay on the parameters)
             error = _max_error(model, _reference_like(model, 2))
     model.zero_grad()
+    model.to(device)
     with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, timeout=TIMEOUT,
                                    native_hooks=native_hooks):
-        loss_of(model(batch("mlp", rank, 3).to(dtype))).backward()
+        loss_of(model(batch("mlp", rank, 3).to(device, p0.dtype))).backward()
     again = _max_error(model, _reference_like(model, 3))
     return native, kind, message if kind == "error" else error, again
 
@@ -802,7 +805,7 @@ def _reference_like(model, step):
     ref = copy.deepcopy(model)
     ref.zero_grad()
     p0 = next(ref.parameters())
-    loss_of(ref(batch("mlp", dist.get_rank(), step).to(p0.dtype))).backward()
+    loss_of(ref(batch("mlp", dist.get_rank(), step).to(p0.device, p0.dtype))).backward()
     grads = [p.grad.detach().clone() for p in ref.parameters()]
     for g in grads:
         dist.all_reduce(g)
@@ -822,14 +825,21 @@ def test_dtype_changed_after_entering_is_named(dist_run, change, native_hooks):
     parameter the forward reached may go without a gradient. Entering again averages."""
     for native, kind, detail, again in dist_run(_retyped_after_entering, change,
                                                 native_hooks):
-        if change == "double" or native:
-            assert kind == "error", f"{change}: no error (native hooks: {native})"
-            assert "layers.2.weight" in detail and "enter it again" in detail, detail
-            if change == "double":
-                assert "float32" in detail and "float64" in detail, detail
-        else:
-            assert kind == "ok" and detail < 1e-6, (kind, detail)
-        assert again < 1e-5, f"{change}: after entering again, max |grad - reference| {again}"
+        check_retyped(change, native, kind, detail, again)
+
+
+def check_retyped(change, native, kind, detail, again):
+    """The assertions on :func:`_retyped_after_entering`'s result (also on a GPU)."""
+    if change in ("double", "cpu") or native:
+        assert kind == "error", f"{change}: no error (native hooks: {native})"
+        assert "layers.2.weight" in detail and "enter it again" in detail, detail
+        if change == "double":
+            assert "float32" in detail and "float64" in detail, detail
+        if change == "cpu":
+            assert "on cuda" in detail and "-> float32 on cpu" in detail, detail
+    else:
+        assert kind == "ok" and detail < 1e-6, (kind, detail)
+    assert again < 1e-5, f"{change}: after entering again, max |grad - reference| {again}"
 
 
 # ------------------------------------------------------------ leaving on an exception

@@ -175,19 +175,20 @@ class _Counter:
         setattr(self.owner, self.name, self.orig)
 
 
-def _twins(name, find_unused=False, **reducer_kw):
+def _twins(name, find_unused=False, device="cpu", **reducer_kw):
     """The same model under tribucket (a reducer) and under DDP."""
     from models import build
-    ours, ref = build(name), build(name)
+    ours, ref = build(name).to(device), build(name).to(device)
     reducer = tribucket.Reducer(ours, find_unused_parameters=find_unused, **reducer_kw)
     ddp = nn.parallel.DistributedDataParallel(ref, find_unused_parameters=find_unused)
     return ours, ref, ddp, reducer
 
 
-def _clip_vs_torch(name, wire, eager=None):
+def _clip_vs_torch(name, wire, eager=None, device="cpu"):
     from models import batch, loss_of
     rank = dist.get_rank()
-    ours, ref, ddp, reducer = _twins(name, bucket_cap_mb=0.001, pack_on_ready=eager)
+    ours, ref, ddp, reducer = _twins(name, device=device, bucket_cap_mb=0.001,
+                                     pack_on_ready=eager)
     if wire == "fp16":  # the same wire on both sides: the fused hook and the generic one
         reducer.register_comm_hook(None, hooks.fp16_compress_hook)
         ddp.register_comm_hook(None, hooks.fp16_compress_hook)
@@ -195,7 +196,7 @@ def _clip_vs_torch(name, wire, eager=None):
     # max_norm: clips (small), does not clip (large), then the fallbacks
     hows = ["clip", "no clip", "inf norm", "subset", "modified", "dropped", "clip"]
     for step, how in enumerate(hows):
-        x = batch(name, rank, step)
+        x = batch(name, rank, step).to(device)
         loss_of(ours(x)).backward()
         loss_of(ddp(x)).backward()
         mine, theirs = list(ours.parameters()), list(ref.parameters())
@@ -243,13 +244,18 @@ def _clip_vs_torch(name, wire, eager=None):
                                              ("mlp", "fp32", True)])
 def test_clip_grad_norm_equals_torch(dist_run, name, wire, eager):
     for checks, params_equal in dist_run(_clip_vs_torch, name, wire, eager, world_size=2):
-        for c in checks:
-            assert c["got"] == pytest.approx(c["want"], rel=1e-5), c
-            assert c["grads_equal"], f"gradients after clipping differ from torch's: {c}"
-            # the fast path exactly where the reducer's figures describe the gradients
-            assert c["fast"] == (c["how"] in ("clip", "no clip")), c
-            assert c["grad_norm"] == pytest.approx(c["norm_torch"], rel=1e-5), c
-        assert params_equal
+        check_clip_vs_torch(checks, params_equal)
+
+
+def check_clip_vs_torch(checks, params_equal):
+    """The assertions on :func:`_clip_vs_torch`'s result (also on a GPU)."""
+    for c in checks:
+        assert c["got"] == pytest.approx(c["want"], rel=1e-5), c
+        assert c["grads_equal"], f"gradients after clipping differ from torch's: {c}"
+        # the fast path exactly where the reducer's figures describe the gradients
+        assert c["fast"] == (c["how"] in ("clip", "no clip")), c
+        assert c["grad_norm"] == pytest.approx(c["norm_torch"], rel=1e-5), c
+    assert params_equal
 
 
 class _Fp64(nn.Module):
@@ -327,13 +333,13 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
 
 
-def _clip_bits(dtype):
+def _clip_bits(dtype, device="cpu"):
     """tribucket.clip_grad_norm_ against DDP + torch's clip, step after step: the whole model
     (the reducer's figures), a part of it (the general path), a list naming parameters twice,
-    and a NaN gradient on one rank (the norm NaN, some gradients finite). Per step: ``(how,
-    the norms have the same dtype and bits, the gradients after the clip have)``."""
+    and a NaN gradient on the last rank (the norm NaN, some gradients finite). Per step:
+    ``(how, the norms have the same dtype and bits, the gradients after the clip have)``."""
     rank = dist.get_rank()
-    ours, ref = _TwoBranch(dtype), _TwoBranch(dtype)
+    ours, ref = _TwoBranch(dtype).to(device), _TwoBranch(dtype).to(device)
     ddp = nn.parallel.DistributedDataParallel(ref)
     out = []
     with tribucket.fused_bucketing(ours, bucket_cap_mb=0.001):
@@ -341,9 +347,9 @@ def _clip_bits(dtype):
             how = ("whole", "part", "twice", "nan")[step % 4]
             g = torch.Generator().manual_seed(100 * step + rank)
             x, z = torch.randn(6, 8, generator=g).to(dtype), torch.randn(6, 3, generator=g)
-            if how == "nan" and rank == 1:
+            if how == "nan" and rank == dist.get_world_size() - 1:
                 z[2, 1] = float("nan")
-            z = z.to(dtype)
+            x, z = x.to(device), z.to(device, dtype)
             ours(x, z).backward()
             ddp(x, z).backward()
             mine, theirs = list(ours.parameters()), list(ref.parameters())
@@ -423,14 +429,14 @@ def test_grad_norm_equals_dense_reference(dist_run, name):
 
 
 # ---------------------------------------------------------------- GradScaler
-def _scaler_vs_torch(dtype, mode):
+def _scaler_vs_torch(dtype, mode, device="cpu"):
     from models import batch, loss_of
     rank = dist.get_rank()
-    ours, ref, ddp, reducer = _twins("mlp", bucket_cap_mb=0.001)
+    ours, ref, ddp, reducer = _twins("mlp", device=device, bucket_cap_mb=0.001)
     enabled = dtype == torch.float16  # bf16 needs no loss scaling: the scaler is off
     # a huge initial scale: the first steps overflow in fp16 and are skipped
     kw = dict(init_scale=2.0**30, growth_interval=2, enabled=enabled)
-    s_ours, s_ref = tribucket.amp.GradScaler("cpu", **kw), torch.amp.GradScaler("cpu", **kw)
+    s_ours, s_ref = tribucket.amp.GradScaler(device, **kw), torch.amp.GradScaler(device, **kw)
     # "fused": AdamW(fused=True) unscales inside its step (no unscale_): the scaler only asks
     # for the inf flag (GradScaler._check_inf_per_device)
     fused = mode == "fused optimizer"
@@ -438,11 +444,11 @@ def _scaler_vs_torch(dtype, mode):
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=fused)
     log = []
     for step in range(8):
-        x = batch("mlp", rank, step)
+        x = batch("mlp", rank, step).to(device)
         x = x * (1e4 if step == 5 else 1.0)  # a late overflow after the scale has dropped
         scans = []
         for model, fwd, scaler, opt in ((ours, ours, s_ours, o_ours), (ref, ddp, s_ref, o_ref)):
-            with torch.autocast("cpu", dtype=dtype):
+            with torch.autocast(device, dtype=dtype):
                 loss = loss_of(fwd(x))
             with _Counter(torch, "_amp_foreach_non_finite_check_and_unscale_") as scan:
                 scaler.scale(loss).backward()
@@ -470,14 +476,19 @@ def _scaler_vs_torch(dtype, mode):
                                         (torch.bfloat16, "unscale + clip")])
 def test_grad_scaler_matches_torch_on_ddp(dist_run, dtype, mode):
     for log, same, finite in dist_run(_scaler_vs_torch, dtype, mode, world_size=2):
-        scales = [(a, b) for a, b, _ in log]
-        assert all(a == b for a, b in scales), f"loss scales differ: {scales}"
-        if dtype == torch.float16:
-            # steps were skipped (the scale dropped from 2**30) and the scale grew back
-            assert scales[-1][0] < 2.0**30 and len({a for a, _ in scales}) > 2, scales
-            # no second inf scan: the reducer's flag served every unscale_
-            assert all(n == 0 for _, _, n in log), f"inf scans per step: {log}"
-        assert finite and all(same), f"parameters differ from torch's: {same}"
+        check_scaler_vs_torch(dtype, log, same, finite)
+
+
+def check_scaler_vs_torch(dtype, log, same, finite):
+    """The assertions on :func:`_scaler_vs_torch`'s result (also on a GPU)."""
+    scales = [(a, b) for a, b, _ in log]
+    assert all(a == b for a, b in scales), f"loss scales differ: {scales}"
+    if dtype == torch.float16:
+        # steps were skipped (the scale dropped from 2**30) and the scale grew back
+        assert scales[-1][0] < 2.0**30 and len({a for a, _ in scales}) > 2, scales
+        # no second inf scan: the reducer's flag served every unscale_
+        assert all(n == 0 for _, _, n in log), f"inf scans per step: {log}"
+    assert finite and all(same), f"parameters differ from torch's: {same}"
 
 
 def _ddp_generic_overflow():
