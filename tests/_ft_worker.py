@@ -10,7 +10,9 @@ committed step, the flat parameters of every committed step so far to ``--params
 ``--die-at K``: SIGKILL itself in step K: in its backward (``--die-in backward``, the
 default: after the first bucket's gradient hook, so a collective of the step may be in
 flight) or in its optimizer step (``--die-in step``: after ``should_commit()`` said yes,
-before the parameters change).
+before the parameters change). ``--die-in caught``: the backward of step K raises instead,
+once, and the loop catches it, calls ``reducer.backward_failed()`` and goes on without an
+optimizer step (docs/reliability.md's loop).
 
 ``--impl plain``: no torchft at all, the control case: ``fused_bucketing(model, timeout=...)``
 on one gloo group of ``WORLD_SIZE`` processes (``RANK`` = the replica id), so a killed peer
@@ -64,7 +66,7 @@ def main() -> None:
     ap.add_argument("--hook", choices=["none", "fp16", "bf16"], default="none")
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--die-at", type=int, default=-1)
-    ap.add_argument("--die-in", choices=["backward", "step"], default="backward")
+    ap.add_argument("--die-in", choices=["backward", "step", "caught"], default="backward")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds between steps")
     ap.add_argument("--width", type=int, default=HID)
     ap.add_argument("--depth", type=int, default=2)
@@ -124,7 +126,7 @@ def main() -> None:
             time.sleep(0.02)
     committed: dict[int, torch.Tensor] = {}
     loss_fn = nn.MSELoss()
-    target = args.steps
+    target, armed = args.steps, False
     while manager.current_step() < target:
         t0 = time.perf_counter()
         before = manager.current_step()
@@ -135,9 +137,17 @@ def main() -> None:
         healed = step != before  # the step count came with the peer's state
         x, y = batch(replica, step, IN)
         loss = loss_fn(net(x), y)
-        if step == args.die_at:
+        if step == args.die_at and not armed:  # (once: a dropped step is redone)
+            armed = True
             arm_kill(model, opt, args.die_in, step, emit)
-        loss.backward()
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            if args.die_in != "caught":
+                raise
+            emit(event="caught", step=step, message=str(e))
+            reducer.backward_failed()
+            continue
         norm = None
         if args.clip:
             clip = tribucket.clip_grad_norm_ if reducer is not None else \
@@ -173,11 +183,18 @@ def main() -> None:
 def arm_kill(model: nn.Module, opt: torch.optim.Optimizer, where: str, step: int,
              emit) -> None:
     """SIGKILL this process in the backward (the last gradient) or in the optimizer step of
-    this step."""
+    this step; or raise in the backward, once (``caught``)."""
     def die(*_):
         emit(event="kill", step=step, where=where)
         os.kill(os.getpid(), signal.SIGKILL)
-    if where == "backward":
+
+    def fail(*_):
+        handle.remove()
+        emit(event="kill", step=step, where=where)
+        raise RuntimeError("injected error in backward")
+    if where == "caught":
+        handle = list(model.parameters())[0].register_hook(fail)
+    elif where == "backward":
         list(model.parameters())[0].register_hook(die)  # the last gradient of backward
     else:
         opt.register_step_pre_hook(die)

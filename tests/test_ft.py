@@ -262,6 +262,39 @@ def test_three_replicas_two_failures(tmp_path, zygote):
 
 @pytest.mark.ft
 @pytest.mark.timeout(120)
+def test_a_caught_backward_error_drops_the_step_on_every_group(tmp_path, zygote):
+    """Replica 1's backward raises in step K; it catches the error, calls
+    ``reducer.backward_failed()`` and goes on (docs/reliability.md's loop). The buckets it
+    owed go out with zeros, and its status says so: replica 0 drops step K too, instead of
+    committing an average with replica 1's missing gradients as zeros. Both redo step K,
+    and every committed step of both, each with 2 participants, equals the dense reference;
+    the replicas equal each other bit for bit."""
+    K, steps = 3, 7
+    with FTRun(str(tmp_path), zygote=zygote) as run:
+        run.lighthouse()
+        go = str(tmp_path / "go")
+        procs = [run.replica(0, steps=steps, go=go),
+                 run.replica(1, steps=steps, die_at=K, die_in="caught", go=go)]
+        start_together(run, ["r0", "r1"], go)
+        for r, proc in enumerate(procs):
+            assert run.wait_exit(proc, 90, f"r{r}") == 0, run.tail(f"r{r}")
+        caught = [r for r in run.records("r1") if r["event"] == "caught"]
+        r0, r1 = run.steps("r0"), run.steps("r1")
+        p0, p1 = run.params("r0"), run.params("r1")
+    assert [c["step"] for c in caught] == [K], caught
+    at_k = [r["committed"] for r in r0 if r["step"] == K]
+    assert at_k == [False, True], f"replica 0 at step {K}: {at_k}"
+    for recs in (r0, r1):
+        committed = _committed(recs)
+        assert sorted(committed) == list(range(steps))
+        assert all(r["participants"] == 2 for r in committed.values()), committed
+    _check_against_reference(p0, {s: 2 for s in range(steps)}, atol=2e-6, what="replica 0")
+    for step in p0:
+        assert torch.equal(p0[step], p1[step]), f"step {step - 1}: the replicas differ"
+
+
+@pytest.mark.ft
+@pytest.mark.timeout(120)
 def test_without_a_manager_the_survivor_raises(tmp_path, zygote):
     """The control case: the same kill against plain ``fused_bucketing`` (one gloo group of
     two processes, ``timeout=``) ends the survivor with an error naming the dead rank, in
@@ -397,6 +430,7 @@ class FakeManager:
         self.n = participants
         self.calls: list[tuple] = []
         self.fns: dict = {}
+        self.errors: list[str] = []
 
     def allreduce(self, tensor, should_quantize=False, reduce_op=dist.ReduceOp.AVG):
         self.calls.append((tensor.dtype, tensor.numel(), str(reduce_op)))
@@ -407,8 +441,11 @@ class FakeManager:
     def num_participants(self):
         return self.n
 
+    def report_error(self, e):  # as torchft's: should_commit() is then False
+        self.errors.append(str(e))
+
     def should_commit(self):
-        return True
+        return not self.errors
 
     def register_state_dict_fn(self, key, load, save):
         assert key not in self.fns
@@ -664,3 +701,79 @@ def test_the_exit_handler_detaches_a_reducer_on_a_manager(dist_run):
     # TypeError it swallows, and the reducer stayed attached through the interpreter's exit
     error, closed, hooks = dist_run(_settled_at_exit, world_size=1)[0]
     assert error is None and closed and hooks == 0, (error, closed, hooks)
+
+
+class _PairManager(FakeManager):
+    """Each rank of a two-rank gloo pool as a replica group of its own: ``allreduce`` sums
+    across the pool (as the manager's reconfigured group does), ``report_error`` /
+    ``should_commit`` as torchft's (an error reported in the step makes this group's
+    ``should_commit()`` False)."""
+
+    def __init__(self):
+        super().__init__(dist.get_world_size())
+
+    def allreduce(self, tensor, should_quantize=False, reduce_op=dist.ReduceOp.AVG):
+        self.calls.append((tensor.dtype, tensor.numel(), str(reduce_op)))
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+
+
+def _one_group_fails_and_catches():
+    """Rank 1's backward raises (a hook on the last gradient) and it catches the error,
+    calls ``reducer.backward_failed()`` and skips the step, as docs/reliability.md's loop
+    does: ``(should_commit() on this rank, the reported errors)``."""
+    rank, mine = dist.get_rank(), (dist.new_group([0]), dist.new_group([1]))
+    model, manager = _mlp(), _PairManager()
+    with tribucket.fused_bucketing(model, manager=manager,
+                                   process_group=mine[rank]) as red:
+        model(torch.randn(6, 8)).square().mean().backward()  # a step both complete
+        assert manager.should_commit()
+        model.zero_grad()
+        if rank == 1:
+            model[0].weight.register_hook(lambda g: 1 / 0)
+        try:
+            model(torch.randn(6, 8)).square().mean().backward()
+        except ZeroDivisionError:
+            red.backward_failed()
+    return manager.should_commit(), manager.errors
+
+
+def test_a_group_that_catches_a_failed_backward_drops_the_step_everywhere(dist_run):
+    # before, the survivor committed the step with the failed group's missing gradients
+    # counted as zeros: the status of a pass stayed inside a replica group
+    (commit0, errors0), (commit1, errors1) = dist_run(_one_group_fails_and_catches,
+                                                      world_size=2, timeout=60)
+    assert not commit0 and "another replica group" in errors0[0], errors0
+    assert not commit1 and "raised on this replica group" in errors1[0], errors1
+
+
+def _branch_used_by_one_group(find_unused: bool):
+    """``find_unused_parameters``: a branch only rank 1's forward uses. Each rank's gradients
+    of every parameter (None where it has none) and torch DDP's on the same pool."""
+    rank, mine = dist.get_rank(), (dist.new_group([0]), dist.new_group([1]))
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+        def forward(self, x, use_b):
+            return self.a(x) + (self.b(x) if use_b else 0)
+
+    ours, ref = Branchy(), Branchy()
+    ddp = nn.parallel.DistributedDataParallel(ref, find_unused_parameters=find_unused)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))
+    with tribucket.fused_bucketing(ours, manager=_PairManager(), process_group=mine[rank],
+                                   find_unused_parameters=find_unused):
+        ours(x, rank == 1).square().mean().backward()
+    ddp(x, rank == 1).square().mean().backward()
+    return ([None if p.grad is None else p.grad for p in ours.parameters()],
+            [None if p.grad is None else p.grad for p in ref.parameters()])
+
+
+def test_unused_parameters_are_agreed_across_replica_groups(dist_run):
+    # before, each group kept its own used set: rank 0 left the branch's gradients None
+    # while rank 1 set them, so the groups' optimizers diverged
+    for ours, ddp in dist_run(_branch_used_by_one_group, True, world_size=2, timeout=60):
+        for g, w in zip(ours, ddp):
+            assert (g is None) == (w is None) and (g is None or torch.allclose(g, w)), (g, w)

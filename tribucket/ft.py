@@ -13,7 +13,9 @@ What each piece does::
     forward / backward              bucket complete -> pack (/ participants) ->
                                     manager.allreduce(wire buffer, SUM)
     end of backward                 wait the futures -> .grad = average over the
-                                    participating replica groups
+                                    participating replica groups; the status, summed in the
+                                    last bucket's tail: a group's failed (abandoned) pass,
+                                    the used map -> manager.report_error on every group
     manager.should_commit()         (torchft.Optimizer.step)  False on every replica group
                                     when a peer failed during the step: the step is dropped
 
@@ -75,7 +77,7 @@ def _require_torchft() -> None:
 
 
 def _check_manager(manager: Any) -> None:
-    missing = [m for m in ("allreduce", "should_commit", "num_participants",
+    missing = [m for m in ("allreduce", "should_commit", "num_participants", "report_error",
                            "register_state_dict_fn") if not callable(getattr(manager, m, None))]
     if missing:
         raise TypeError(f"manager must be a torchft.Manager, got {type(manager).__name__} "
@@ -156,16 +158,24 @@ class _ManagerAllreduce:
     def __init__(self, manager: Any):
         self.manager = manager
 
-    def __call__(self, buf: torch.Tensor) -> torch.futures.Future:
+    def __call__(self, buf: torch.Tensor, body: torch.Tensor) -> torch.futures.Future:
         from torch.distributed import ReduceOp
 
-        return _completed_by_waiter(self.manager.allreduce(buf, reduce_op=ReduceOp.SUM), buf)
+        return _completed_by_waiter(self.manager.allreduce(buf, reduce_op=ReduceOp.SUM), body)
 
 
 def _participants(manager: Any) -> Callable[[], int]:
     """The count a pass divides by: the replica groups of this step's quorum (waits for the
     quorum, which ``start_quorum`` began at ``zero_grad``; 1 before any quorum)."""
     return lambda: max(manager.num_participants(), 1)
+
+
+def _reporter(manager: Any) -> Callable[[str], None]:
+    """How a pass drops its step: the error goes to the manager, whose ``should_commit()``
+    is then False on this replica group. Each group reports its own: the failed group when
+    it settles its pass, the others when they read its problem in the pass's status, which
+    rides in the last bucket through ``manager.allreduce``."""
+    return lambda reason: manager.report_error(RuntimeError(f"tribucket: {reason}"))
 
 
 # torchft's work builds its callback chain (the error handling, the timeout) lazily, when
@@ -214,6 +224,7 @@ class ManagedReducer(Reducer):
             self.manager = manager
             self._comm.collective = _ManagerAllreduce(manager)
             self._comm.divisor = _participants(manager)
+            self._comm.drop_step = _reporter(manager)
             self._fix_layout()
             slot = getattr(manager, "_tribucket_state_slot", None)
             if slot is None:

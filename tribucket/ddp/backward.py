@@ -346,8 +346,10 @@ class Backward:
         self._align_layout()
         specs = self.layout.buckets
         # the end-of-backward status rides at the end of the last bucket's allreduce when the
-        # reducer sends that allreduce itself (one collective fewer per iteration)
-        self.piggyback = (self.world_size > 1 and self.comm.traits.chunkable and bool(specs)
+        # reducer sends that allreduce itself (one collective fewer per iteration); with a
+        # torchft manager, always: the replica groups learn of each other's problems
+        self.piggyback = ((self.world_size > 1 or self.comm.collective is not None)
+                          and self.comm.traits.chunkable and bool(specs)
                           and not specs[-1].sparse and self.shards is None)
         self.buckets, self.slot = build_buckets(
             self.config, self.layout, self.params, self.names, self.comm, self.device,
@@ -438,7 +440,10 @@ class Backward:
             status = status.cpu()  # (on a GPU: waits for the device)
             self._check_steps(status)  # before the gradients reach .grad
             counts = self.status.problems(status)
-            if sum(counts) > 0:
+            if sum(counts) > 0 and self.comm.drop_step and not (n_missing or p.errors):
+                self.comm.drop_step(f"another replica group reported a problem in backward "
+                                    f"iteration {p.iteration}: this step is dropped")
+            elif sum(counts) > 0:
                 self.status.raise_problems(missing, counts, p.errors, self._frozen(missing),
                                            self._replaced(missing))
         global_used = None
@@ -661,6 +666,10 @@ class Backward:
         _, status, _ = self._exchange_status(p, self._missing(p) + len(p.errors),
                                              self._local_used(p))
         self._forget_nosync_used()
+        if self.comm.drop_step is not None:  # (after the collectives: a manager that knows
+            self.comm.drop_step(  # of an error sends nothing more)
+                f"backward iteration {p.iteration} raised on this replica group before its "
+                "end: this step is dropped")
         # this rank's user has an error already; a deferred pass's report would be a second
         self._resolve_pending(f"backward iteration {p.iteration}", swallow=True)
         try:

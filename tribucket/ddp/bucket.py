@@ -57,12 +57,17 @@ class Comm:
     chunk_group: Any               # where the reducer's own (chunked) allreduces go
     world_size: int
     #: replaces the averaging allreduce (default, allreduce/fp16/bf16 hooks): called with
-    #: the packed wire buffer, returns a Future of the averaged buffer (tribucket/ft.py)
+    #: the packed wire buffer (the last bucket's with the status in its tail) and the
+    #: bucket's part of it, returns a Future of that part, averaged (tribucket/ft.py)
     collective: Callable | None = None
     #: with ``collective``: the count a pass averages over, in place of the world size,
     #: asked when the pass's first gradient arrives and fused into the pack (a torchft
     #: quorum's participants, which change from step to step)
     divisor: Callable[[], int] | None = None
+    #: with ``collective``: called with the reason, instead of raising, when the status
+    #: the collective summed reports a problem of another replica group's pass, or of this
+    #: group's abandoned one (a torchft manager then drops the step)
+    drop_step: Callable[[str], None] | None = None
     #: the run's ``tribucket.trace.Tracer`` (None: tracing off, one check per bucket)
     tracer: Any = None
 
@@ -394,9 +399,12 @@ class DenseBucket(_BucketBase):
         if self.state != BucketState.LAUNCHED:
             self.state, self.t_launch = BucketState.LAUNCHED, time.perf_counter()
         if comm.collective is not None and comm.traits.chunkable:  # e.g. a torchft Manager
-            p.bytes += buf.numel() * buf.element_size()
-            self.handle = _HookResult(comm.collective(buf), comm.hook, self.spec, self.index,
-                                      comm.guard, self.describe(), p.iteration)
+            if self.tail_writer is not None:
+                self.tail_writer(p, buf)  # the status goes to the other replica groups too
+            body = self.mem.body(buf)
+            p.bytes += body.numel() * body.element_size()
+            self.handle = _HookResult(comm.collective(buf, body), comm.hook, self.spec,
+                                      self.index, comm.guard, self.describe(), p.iteration)
             return
         if comm.traits.chunkable:  # an averaging allreduce the reducer sends itself
             while self.chunk_next < len(self.chunks):
