@@ -678,3 +678,40 @@ def test_dcp_checkpoints_cross_with_ddp_through_module(dist_run, tmp_path):
     for result in dist_run(_dcp_across_wrappers, str(tmp_path / "ckpt"), world_size=2,
                            timeout=60):
         assert result == (True, True, True), result
+
+
+def _buffer_members_vs_ddp():
+    """DDP's buffer members through a sequence of forwards (a training one, one under
+    no_sync, one under no_grad, one after setting the flag by hand, as Lightning's manual
+    optimisation does): per step ``(ours, DDP's)`` of ``require_forward_param_sync``,
+    ``will_sync_module_buffers()``; then the buffer lists and ``is_multi_device_module``."""
+    rank = dist.get_rank()
+    ours = tribucket.DistributedDataParallel(build("bn"))
+    theirs = DDP(build("bn"))
+    seen = []
+    for step, how in enumerate(("train", "no_sync", "train", "no_grad", "set", "train")):
+        for model in (ours, theirs):
+            if how == "set":
+                model.require_forward_param_sync = True
+                continue
+            ctx = (model.no_sync() if how == "no_sync" else
+                   torch.no_grad() if how == "no_grad" else contextlib.nullcontext())
+            with ctx:
+                out = model(batch("bn", rank, step))
+            if how != "no_grad":
+                loss_of(out).backward()
+        seen.append((how, [(m.require_forward_param_sync, m.will_sync_module_buffers())
+                           for m in (ours, theirs)]))
+    members = [([tuple(b.shape) for b in m.modules_buffers], sorted(m.named_module_buffers),
+                m.is_multi_device_module) for m in (ours, theirs)]
+    ours.close()
+    return seen, members
+
+
+def test_buffer_members_match_ddp(dist_run):
+    # before, the wrapper had no require_forward_param_sync, will_sync_module_buffers(),
+    # modules_buffers, named_module_buffers or is_multi_device_module
+    for seen, members in dist_run(_buffer_members_vs_ddp):
+        for how, (ours, theirs) in seen:
+            assert ours == theirs, (how, ours, theirs)
+        assert members[0] == members[1], members

@@ -444,3 +444,34 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def forward_sync_buffers(self) -> bool:
         return self._user_broadcast_buffers
+
+    @property
+    def require_forward_param_sync(self) -> bool:
+        """Whether the next forward broadcasts the buffers first (with ``broadcast_buffers``):
+        as DDP's, True after a forward whose backward averages, False after one under
+        ``no_sync()`` or ``torch.no_grad()``."""
+        return self.reducer._forward.require_param_sync
+
+    @require_forward_param_sync.setter
+    def require_forward_param_sync(self, value: bool) -> None:
+        self.reducer._forward.require_param_sync = bool(value)
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts rank 0's buffers (DDP's method)."""
+        return (self.require_forward_param_sync and self.forward_sync_buffers
+                and len(self.modules_buffers) > 0)
+
+    @property
+    def named_module_buffers(self) -> dict[str, torch.Tensor]:
+        """The module's buffers that are not ignored, by name (DDP's attribute)."""
+        return {n: b for n, b in self.module.named_buffers()
+                if n not in self.parameters_to_ignore}
+
+    @property
+    def modules_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers that are not ignored (DDP's attribute)."""
+        return list(self.named_module_buffers.values())
+
+    @property
+    def is_multi_device_module(self) -> bool:
+        return len({p.device for p in self.module.parameters()}) > 1
