@@ -658,3 +658,29 @@ def test_reuse_grad_figures_saves_the_second_read(dist_run, reuse):
     for first, second, reads in dist_run(_reads_of_a_second_call, reuse, world_size=2):
         assert first == second
         assert (reads == 0) == reuse, reads
+
+
+def _clip_orders(norm_types):
+    """tribucket.clip_grad_norm_ against DDP + torch's clip for the orders torch takes that
+    do not sum across buckets (0, negative, -inf): ``[(order, norms same bits, gradients
+    same bits)]``."""
+    from models import batch, loss_of
+    rank = dist.get_rank()
+    out = []
+    for norm_type in norm_types:
+        ours, ref, ddp, reducer = _twins("mlp", bucket_cap_mb=0.001)
+        x = batch("mlp", rank, 0)
+        loss_of(ours(x)).backward()
+        loss_of(ddp(x)).backward()
+        got = tribucket.clip_grad_norm_(ours, 0.05, norm_type=norm_type)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=norm_type)
+        out.append((norm_type, _same_bits(got, want), all(
+            _same_bits(a.grad, b.grad) for a, b in zip(ours.parameters(), ref.parameters()))))
+        reducer.close()
+    return out
+
+
+def test_clip_takes_every_order_torch_takes(dist_run):
+    # before, norm_type 0 and negative orders were refused, where torch's clip takes them
+    for results in dist_run(_clip_orders, (0.0, -1.0, -2.5, float("-inf")), world_size=2):
+        assert [r for r in results if not (r[1] and r[2])] == [], results

@@ -69,9 +69,16 @@ def clip_grad_norm_(parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor
     sharded = _sharded(parameters)
     params = [p for p in parameters if p.grad is not None]
     p_norm = float(norm_type)
-    if math.isnan(p_norm) or p_norm <= 0:
-        raise ValueError(f"norm_type={norm_type!r} must be a positive number or inf (2.0: the "
+    if math.isnan(p_norm):
+        raise ValueError(f"norm_type={norm_type!r} must be a number or +-inf (2.0: the "
                          "Euclidean norm)")
+    if p_norm <= 0 and (sharded or any(is_expert_parallel(q) or q.grad.is_sparse
+                                       for q in params)):
+        # torch's total of these orders is not a sum of per-rank parts
+        raise ValueError(
+            f"norm_type={norm_type!r}: with expert-parallel or sharded parameters, or sparse "
+            "gradients, clip_grad_norm_ takes a positive order or inf (its total combines "
+            "each rank's part); orders 0 and below work on data-parallel dense gradients")
     if not params and not sharded:
         return torch.tensor(0.0)
     with span_if_tracing("epilogue", args={"op": "clip_grad_norm_"}):
