@@ -845,14 +845,18 @@ def check_retyped(change, native, kind, detail, again):
 # ------------------------------------------------------------ leaving on an exception
 def _leave_on_exception(kind, timeout_s=2.0):
     """Rank 1 leaves fused_bucketing on an exception while rank 0 trains on: with trace=,
-    leaving must not start the trace's gather (rank 0 is in its next step's collective).
-    ``(what this rank raised, seconds it took)``."""
+    leaving must not start the trace's gather (rank 0 is in its next step's collective);
+    each rank writes its own events instead. ``(what this rank raised, seconds it took,
+    the trace files written, the ranks and steps of the backward spans in this rank's)``."""
     import time
+
+    from tribucket import trace
     rank = dist.get_rank()
     model = build("mlp")
     start = time.monotonic()
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
+    raised, files, spans = None, [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
             with tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
                                            timeout=datetime.timedelta(seconds=timeout_s),
                                            trace=os.path.join(tmp, "t.json")):
@@ -860,17 +864,28 @@ def _leave_on_exception(kind, timeout_s=2.0):
                     if rank == 1 and step == 1:
                         raise ValueError("a bad batch")
                     loss_of(model(batch("mlp", rank, step))).backward()
-    except (ValueError, RuntimeError) as e:
-        return f"{type(e).__name__}: {e}", time.monotonic() - start
-    return None, time.monotonic() - start
+        except (ValueError, RuntimeError) as e:
+            raised = f"{type(e).__name__}: {e}"
+        took = time.monotonic() - start
+        files = sorted(os.listdir(tmp))  # (each rank's own directory)
+        own = os.path.join(tmp, f"t.rank{rank}.json")
+        if os.path.exists(own):
+            doc = trace.load(own)
+            spans = sorted({(e["pid"], e["args"]["step"]) for e in doc["traceEvents"]
+                            if e.get("ph") == "X" and e["name"] == "backward"})
+    return raised, took, files, spans
 
 
 def test_leaving_on_an_exception_with_a_trace_starts_no_collective(dist_run):
     results = dist_run(_leave_on_exception, "trace", world_size=2, timeout=60, teardown=True)
-    mine, took = results[1]
+    mine, took, _, _ = results[1]
     assert mine == "ValueError: a bad batch" and took < 10, results[1]
-    theirs, _ = results[0]  # rank 0: its next step's collective, bounded by timeout=
+    theirs = results[0][0]  # rank 0: its next step's collective, bounded by timeout=
     assert theirs is not None and "rank 1" in theirs, theirs
+    # before, no trace was written at all: each rank now writes its own events
+    for rank, (_, _, written, backwards) in enumerate(results):
+        assert written == [f"t.rank{rank}.json"], written
+        assert backwards and {r for r, _ in backwards} == {rank}, (rank, backwards)
 
 
 def _interrupted_apart():

@@ -527,12 +527,12 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         for r in self.expert_reducers:
             r._close(raise_errors, interrupted=interrupted)
         tracer, self._comm.tracer = self._comm.tracer, None
-        # (not when leaving on an exception: the peers may be in their next step's
-        # collectives, which the trace's gather would pair with)
-        if tracer is not None and e is None and raise_errors and not self._guard.failed \
-                and not at_exit:
-            #: the trace file rank 0 wrote (every rank's events; None elsewhere)
-            self.trace_path = tracer.close()  # a gather to rank 0: every rank closes
+        if tracer is not None:
+            #: the trace file rank 0 wrote (every rank's events; None elsewhere); after an
+            #: exception, a failed collective or at exit, this rank's own (no gather: the
+            #: peers may be in their next step's collectives, or gone)
+            self.trace_path = tracer.close(local=not (e is None and raise_errors and not
+                                                      self._guard.failed and not at_exit))
         self._release()
         if e is None:
             return

@@ -97,21 +97,25 @@ def write_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
-def _file_for(path: str) -> str:
-    """``path`` itself if it names a ``.json`` file, else a new file in that directory."""
+def _file_for(path: str, rank: int | None = None) -> str:
+    """``path`` itself if it names a ``.json`` file, else a new file in that directory;
+    ``rank``: one rank's own file (``<name>.rank<r>.json``)."""
+    own = "" if rank is None else f".rank{rank}"
     if path.endswith(".json") and not os.path.isdir(path):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        return path
+        return path if rank is None else f"{path[:-5]}{own}.json"
     os.makedirs(path, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return os.path.join(path, f"trace-{stamp}-{os.getpid()}.json")
+    return os.path.join(path, f"trace-{stamp}-{os.getpid()}{own}.json")
 
 
-def write_run(payload: dict, path: str | None, group=None) -> str | None:
+def write_run(payload: dict, path: str | None, group=None, local: bool = False) -> str | None:
     """Gather ``payload`` (this rank's export) on the group's rank 0 and write the file
-    there; every rank of ``group`` calls this. Returns the file on rank 0, else None."""
+    there; every rank of ``group`` calls this. Returns the file on rank 0, else None.
+    ``local``: no gather (a run that left on an exception, whose peers may be in other
+    collectives or gone): each rank writes its own events to a file of its own."""
     payloads = [payload]
-    if dist.is_available() and dist.is_initialized():
+    if not local and dist.is_available() and dist.is_initialized():
         world = dist.get_world_size(group)
         if world > 1:
             me = dist.get_rank(group)
@@ -123,9 +127,10 @@ def write_run(payload: dict, path: str | None, group=None) -> str | None:
             payloads = gathered
     if path is None:
         return None
-    trace = to_chrome(payloads, {"world_size": len(payloads)})
+    trace = to_chrome(payloads, {"world_size": len(payloads)} if not local else
+                      {"rank_only": payload["rank"]})
     try:
-        target = _file_for(path)
+        target = _file_for(path, payload["rank"] if local else None)
         tmp = f"{target}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(trace, f, separators=(",", ":"))

@@ -377,9 +377,11 @@ class Tracer:
         return {"rank": self.rank, "offset_ns": _clock_offset(), "events": done,
                 "unfinished": unfinished, "dropped": self.dropped, "pid": os.getpid()}
 
-    def close(self) -> str | None:
+    def close(self, local: bool = False) -> str | None:
         """Gather every rank's events on rank 0 and write the file there (one per run);
-        returns its path on rank 0 (``None`` elsewhere, or without ``path``). Idempotent."""
+        returns its path on rank 0 (``None`` elsewhere, or without ``path``). ``local``: no
+        gather, this rank's events to a file of its own (its path returned on every rank).
+        Idempotent."""
         global _CURRENT
         if self.closed:
             return self.written
@@ -388,7 +390,7 @@ class Tracer:
             _CURRENT = None
         from .chrome import write_run
 
-        self.written = write_run(self.export(), self.path, self.group)
+        self.written = write_run(self.export(), self.path, self.group, local)
         return self.written
 
     def __enter__(self) -> "Tracer":
