@@ -447,6 +447,9 @@ class FakeManager:
     def num_participants(self):
         return self.n
 
+    def is_participating(self):
+        return True
+
     def report_error(self, e):  # as torchft's: should_commit() is then False
         self.errors.append(str(e))
 
@@ -715,11 +718,17 @@ class _PairManager(FakeManager):
     ``should_commit`` as torchft's (an error reported in the step makes this group's
     ``should_commit()`` False)."""
 
-    def __init__(self):
+    def __init__(self, participating: bool = True):
         super().__init__(dist.get_world_size())
+        self.participating = participating
+
+    def is_participating(self):  # noqa: D102 - (overrides FakeManager's)
+        return self.participating
 
     def allreduce(self, tensor, should_quantize=False, reduce_op=dist.ReduceOp.AVG):
         self.calls.append((tensor.dtype, tensor.numel(), str(reduce_op)))
+        if not self.participating:  # a group that heals in this step sends zeros (torchft)
+            tensor.zero_()
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
 
 
@@ -783,3 +792,113 @@ def test_unused_parameters_are_agreed_across_replica_groups(dist_run):
     for ours, ddp in dist_run(_branch_used_by_one_group, True, world_size=2, timeout=60):
         for g, w in zip(ours, ddp):
             assert (g is None) == (w is None) and (g is None or torch.allclose(g, w)), (g, w)
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x, use_b=True):
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+def _groups():
+    """Each rank's own process group (each rank is a replica group)."""
+    return (dist.new_group([0]), dist.new_group([1]))[dist.get_rank()]
+
+
+def _healing_group_uses_a_branch():
+    """``find_unused_parameters``: rank 1 heals in this step (it sends zeros, torchft's
+    asynchronous quorum) and its forward alone uses branch ``b``. Each rank's gradients."""
+    rank = dist.get_rank()
+    model = _Branchy()
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))
+    with tribucket.fused_bucketing(model, manager=_PairManager(participating=rank == 0),
+                                   process_group=_groups(), find_unused_parameters=True):
+        model(x, use_b=rank == 1).square().mean().backward()
+    return [None if p.grad is None else p.grad for p in model.parameters()]
+
+
+def test_a_healing_group_ends_its_step_with_the_live_groups_gradients(dist_run):
+    # before, the healer's used map was zeroed with its buffer, so b counted as unused
+    # everywhere, and the healer kept its own local gradient of b (the live group: None);
+    # after loading the live group's state it stepped with it, and the groups diverged
+    ours, healer = dist_run(_healing_group_uses_a_branch, world_size=2, timeout=60)
+    for g, h in zip(ours, healer):
+        assert (g is None) == (h is None) and (g is None or torch.equal(g, h)), (g, h)
+    assert ours[2] is None and ours[0] is not None
+
+
+def _own_misuse_raises():
+    """Rank 1's forward leaves a parameter without a gradient (no find_unused_parameters):
+    its backward raises; ``(raised, should_commit())`` on each rank."""
+    rank = dist.get_rank()
+    model, manager = _Branchy(), _PairManager()
+    raised = None
+    with tribucket.fused_bucketing(model, manager=manager, process_group=_groups()):
+        try:
+            model(torch.randn(6, 8), use_b=rank == 0).square().mean().backward()
+        except RuntimeError as e:
+            raised = str(e)
+    return raised, manager.should_commit()
+
+
+def test_a_group_that_raises_its_own_misuse_commits_nothing(dist_run):
+    # before, the group that raised left its manager's should_commit() True: a loop that
+    # caught the error and stepped committed its own local gradients
+    (raised0, commit0), (raised1, commit1) = dist_run(_own_misuse_raises, world_size=2,
+                                                      timeout=60)
+    assert raised0 is None and not commit0
+    assert "b.weight" in raised1 and not commit1, raised1
+
+
+def _fails_in_an_accumulation_window():
+    """Two micro-batches a step, the first under no_sync: rank 1's first raises, caught,
+    ``backward_failed()``, and rank 1 gives up the step (docs' loop). Rank 0 runs both.
+    ``(should_commit(), the reported errors)``."""
+    rank = dist.get_rank()
+    model, manager = _mlp(), _PairManager()
+    with tribucket.fused_bucketing(model, manager=manager, process_group=_groups()) as red:
+        if rank == 1:
+            model[0].weight.register_hook(lambda g: 1 / 0)
+        for micro in range(2):
+            try:
+                with red.no_sync() if micro == 0 else contextlib.nullcontext():
+                    model(torch.randn(6, 8)).square().mean().backward()
+            except ZeroDivisionError:
+                red.backward_failed()
+                break
+    return manager.should_commit(), manager.errors
+
+
+def test_a_failure_in_an_accumulation_window_drops_the_step_everywhere(dist_run):
+    # before, backward_failed() in a no_sync pass sent nothing: rank 0's synchronised pass
+    # waited for rank 1 (the test's timeout), and with torchft the failed group's next
+    # quorum timed out
+    (commit0, errors0), (commit1, errors1) = dist_run(_fails_in_an_accumulation_window,
+                                                      world_size=2, timeout=60)
+    assert not commit0 and "another replica group" in errors0[0], errors0
+    assert not commit1 and errors1, errors1
+
+
+def _refused_options():
+    msgs = {}
+    for key, make in (("static", lambda: tribucket.fused_bucketing(
+                          _mlp(), manager=FakeManager(), static_graph=True)),
+                      ("complex", lambda: tribucket.fused_bucketing(
+                          nn.Linear(4, 4, dtype=torch.complex64), manager=FakeManager()))):
+        try:
+            make().close()
+        except ValueError as e:
+            msgs[key] = str(e)
+    return msgs
+
+
+def test_static_graph_and_complex_parameters_are_refused_with_a_manager(dist_run):
+    # before, static_graph froze a used set learned from a pass a healing group zeroed, and a
+    # complex parameter crashed the first backward (the pack cannot scale complex values)
+    msgs = dist_run(_refused_options, world_size=1)[0]
+    assert "static_graph" in msgs.get("static", "") and "find_unused_parameters" in msgs["static"]
+    assert "complex" in msgs.get("complex", ""), msgs

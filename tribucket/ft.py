@@ -78,7 +78,8 @@ def _require_torchft() -> None:
 
 def _check_manager(manager: Any) -> None:
     missing = [m for m in ("allreduce", "should_commit", "num_participants", "report_error",
-                           "register_state_dict_fn") if not callable(getattr(manager, m, None))]
+                           "is_participating", "register_state_dict_fn")
+               if not callable(getattr(manager, m, None))]
     if missing:
         raise TypeError(f"manager must be a torchft.Manager, got {type(manager).__name__} "
                         f"(no {', '.join(missing)})")
@@ -107,6 +108,13 @@ def _refuse(module: nn.Module, process_group, options: dict) -> None:
             "the ranks agree on the buckets to skip with an allreduce of their own, which "
             "would have to go through the manager's fault-tolerant allreduce (a replica group "
             "that fails or joins mid-step must not leave the others waiting); leave it off")
+    if options.get("static_graph"):
+        raise ValueError(
+            "fused_bucketing(manager=...) does not support static_graph=True: it learns the "
+            "used parameters once, from the first backward, but a replica group's first step "
+            "can be another's hundredth, and a group that heals sends zeros for that step, "
+            "its used parameters too; use find_unused_parameters=True, whose used map the "
+            "groups agree on at every step")
     if options.get("comm_chunk_mb"):
         raise ValueError(
             f"fused_bucketing(manager=...) does not support comm_chunk_mb="
@@ -135,6 +143,13 @@ def _refuse(module: nn.Module, process_group, options: dict) -> None:
             "all-to-all runs, on process groups the manager does not reconfigure, so they "
             "would not be averaged across replica groups and a lost replica group would hang "
             "them; train MoE models with fault tolerance through torchft's own wrappers, or "
+            "without manager=")
+    cplx = [n for n, q in module.named_parameters() if q.is_complex()]
+    if cplx:
+        raise ValueError(
+            f"fused_bucketing(manager=...) does not support complex parameters ({cplx[0]!r} "
+            f"is complex): the manager's allreduce takes the fused wire buffer, which holds "
+            "real values; keep complex parameters as real pairs (torch.view_as_real) or train "
             "without manager=")
     sparse = [n for n, m in module.named_modules()
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
@@ -225,6 +240,7 @@ class ManagedReducer(Reducer):
             self._comm.collective = _ManagerAllreduce(manager)
             self._comm.divisor = _participants(manager)
             self._comm.drop_step = _reporter(manager)
+            self._comm.sits_out = lambda: not manager.is_participating()
             self._fix_layout()
             slot = getattr(manager, "_tribucket_state_slot", None)
             if slot is None:

@@ -440,10 +440,11 @@ class Backward:
             status = status.cpu()  # (on a GPU: waits for the device)
             self._check_steps(status)  # before the gradients reach .grad
             counts = self.status.problems(status)
-            if sum(counts) > 0 and self.comm.drop_step and not (n_missing or p.errors):
-                self.comm.drop_step(f"another replica group reported a problem in backward "
-                                    f"iteration {p.iteration}: this step is dropped")
-            elif sum(counts) > 0:
+            if sum(counts) > 0 and self.comm.drop_step:  # (a manager: every group drops)
+                own = n_missing or p.errors
+                self.comm.drop_step(f"{'this' if own else 'another'} replica group reported "
+                                    f"a problem in backward iteration {p.iteration}")
+            if sum(counts) > 0 and (not self.comm.drop_step or n_missing or p.errors):
                 self.status.raise_problems(missing, counts, p.errors, self._frozen(missing),
                                            self._replaced(missing))
         global_used = None
@@ -451,6 +452,12 @@ class Backward:
             global_used = self.status.used(status)
             if cfg.static_graph:
                 self.static_used = global_used  # the static graph's used set, once
+            if self.comm.sits_out is not None and self.comm.sits_out():
+                # a replica group that heals in this step sent zeros, its used map too: it
+                # takes the live groups' gradients, None where none of them used one
+                for i in range(len(self.params)):
+                    if not global_used[i]:
+                        self.params[i].grad = None
         elif cfg.static_graph:
             global_used = self.static_used
         epi = self.epilogue
@@ -601,14 +608,16 @@ class Backward:
         self.stats.rebuilds += 1
         self.allocate()
 
-    def shadow_pass(self) -> None:
-        """A Join shadow pass: send zeros in every bucket, agree on the status, discard."""
+    def shadow_pass(self, failed: str | None = None) -> None:
+        """A Join shadow pass: send zeros in every bucket, agree on the status, discard.
+        ``failed``: the synchronised pass of a step this replica group gave up (a backward
+        under no_sync raised), whose status reports ``failed`` (with a torchft manager)."""
         if self.agree_pending:
             self.agree_on_state()  # as the first backward of the ranks still training
         if not self.allocated:
             self.allocate()
         p = Pass(True, len(self.params), self.passes)
-        p.shadow = True
+        p.shadow = failed is None
         if self.comm.tracer is not None:  # (the step of the ranks still training)
             self.comm.tracer.next_step(p.iteration)
         for bucket in self.buckets:
@@ -616,7 +625,10 @@ class Backward:
             bucket.launch(p, self.comm, zeros=True)
         cfg = self.config
         used = self._local_used(p)
-        _, status, _ = self._exchange_status(p, 0, used)
+        p.errors += [failed] if failed else []
+        _, status, _ = self._exchange_status(p, len(p.errors), used)
+        if failed:
+            return self._forget_nosync_used()
         self._resolve_pending(f"the Join shadow pass of iteration {p.iteration}")
         if used is not None and cfg.static_graph:
             self.static_used = self.status.used(status)
@@ -652,6 +664,13 @@ class Backward:
         exception already; the next pass starts clean on every rank."""
         p, self.pass_ = self.pass_, None
         self.native.end(self.buckets)
+        if p is not None and not p.sync and self.comm.drop_step is not None:
+            # with a manager the other groups' step still has its synchronised pass, which
+            # this group gives up: send it now, zeros and the failure, so all drop the step
+            failed = (f"a backward under no_sync (iteration {p.iteration}) raised on this "
+                      "replica group: this step is dropped")
+            self.shadow_pass(failed)
+            self.comm.drop_step(failed)
         if p is None or not p.sync:
             return  # a no_sync pass issues no collective
         if not p.any_ready:

@@ -68,6 +68,9 @@ class Comm:
     #: the collective summed reports a problem of another replica group's pass, or of this
     #: group's abandoned one (a torchft manager then drops the step)
     drop_step: Callable[[str], None] | None = None
+    #: with ``collective``: whether this replica group sits out the pass's step (it heals:
+    #: the collective sends zeros for it)
+    sits_out: Callable[[], bool] | None = None
     #: the run's ``tribucket.trace.Tracer`` (None: tracing off, one check per bucket)
     tracer: Any = None
 

@@ -298,7 +298,8 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         pass on every rank. A backward that raised inside the model, or in a hook on its
         output, is settled by the next forward without this call; calling it then (or
         twice) settles nothing more. Without it a backward that never reached the model
-        leaves this rank one step ahead of its peers."""
+        leaves this rank one step ahead of its peers. With a torchft manager call it in
+        every case, before ``optim.zero_grad()`` starts the next quorum."""
         self._bw.settle_unbegun()
         for r in self.expert_reducers:
             r.backward_failed()
