@@ -49,11 +49,17 @@ class Forward:
         self.wrapped = False   # the reducer belongs to such a wrapper
         self.via_wrapper = False  # this forward came through it
         self.step_boundary: Callable | None = None  # called before each training forward
+        self.post_hook_id: int | None = None  # post_forward's forward-hook handle id
         #: (name, parameter) of the model's parameters that did not require grad on entering
         #: (not averaged): one that requires grad now would train unaveraged on every rank
         self.frozen: list[tuple[str, torch.Tensor]] = []
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
+        hooks = module._forward_hooks
+        if len(hooks) > 1 and next(reversed(hooks)) != self.post_hook_id:
+            # forward hooks added since entering (one may change the output) run before
+            # post_forward, which must see the output the loss gets, as DDP searches it
+            hooks.move_to_end(self.post_hook_id)
         joining = self.joinable._join_config.enable
         bw = self.bw
         if not torch.is_grad_enabled():

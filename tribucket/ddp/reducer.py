@@ -213,6 +213,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
             self._hook_ref(self._forward, "pre_forward")))
         self._handles.append(module.register_forward_hook(
             self._hook_ref(self._forward, "post_forward")))
+        self._forward.post_hook_id = self._handles[-1].id
 
     def _use_native(self, ext) -> None:
         self._bw.native = native.NativeHooks(ext, self._params, self._bw)
