@@ -854,13 +854,14 @@ def test_a_group_that_raises_its_own_misuse_commits_nothing(dist_run):
     assert "b.weight" in raised1 and not commit1, raised1
 
 
-def _fails_in_an_accumulation_window():
+def _fails_in_an_accumulation_window(find_unused: bool):
     """Two micro-batches a step, the first under no_sync: rank 1's first raises, caught,
     ``backward_failed()``, and rank 1 gives up the step (docs' loop). Rank 0 runs both.
     ``(should_commit(), the reported errors)``."""
     rank = dist.get_rank()
     model, manager = _mlp(), _PairManager()
-    with tribucket.fused_bucketing(model, manager=manager, process_group=_groups()) as red:
+    with tribucket.fused_bucketing(model, manager=manager, process_group=_groups(),
+                                   find_unused_parameters=find_unused) as red:
         if rank == 1:
             model[0].weight.register_hook(lambda g: 1 / 0)
         for micro in range(2):
@@ -873,12 +874,14 @@ def _fails_in_an_accumulation_window():
     return manager.should_commit(), manager.errors
 
 
-def test_a_failure_in_an_accumulation_window_drops_the_step_everywhere(dist_run):
+@pytest.mark.parametrize("find_unused", [False, True], ids=["all_used", "find_unused"])
+def test_a_failure_in_an_accumulation_window_drops_the_step_everywhere(dist_run, find_unused):
     # before, backward_failed() in a no_sync pass sent nothing: rank 0's synchronised pass
     # waited for rank 1 (the test's timeout), and with torchft the failed group's next
-    # quorum timed out
+    # quorum timed out. (With find_unused_parameters the pass it then sent reported no
+    # problem, as its status left before the failure was counted: rank 0 committed.)
     (commit0, errors0), (commit1, errors1) = dist_run(_fails_in_an_accumulation_window,
-                                                      world_size=2, timeout=60)
+                                                      find_unused, world_size=2, timeout=60)
     assert not commit0 and "another replica group" in errors0[0], errors0
     assert not commit1 and errors1, errors1
 
@@ -902,3 +905,28 @@ def test_static_graph_and_complex_parameters_are_refused_with_a_manager(dist_run
     msgs = dist_run(_refused_options, world_size=1)[0]
     assert "static_graph" in msgs.get("static", "") and "find_unused_parameters" in msgs["static"]
     assert "complex" in msgs.get("complex", ""), msgs
+
+
+def _misuse_found_after_the_status_left():
+    """``find_unused_parameters``: rank 0's loss adds a term built before the forward from
+    ``b``, which the forward leaves unused; its gradient arrives after the bucket (and the
+    status in its tail) left. ``(raised, should_commit())`` on each rank."""
+    rank = dist.get_rank()
+    model, manager = _Branchy(), _PairManager()
+    raised = None
+    with tribucket.fused_bucketing(model, manager=manager, process_group=_groups(),
+                                   find_unused_parameters=True):
+        reg = model.b.weight.square().sum() if rank == 0 else 0
+        try:
+            (model(torch.randn(6, 8), use_b=False).square().mean() + reg).backward()
+        except RuntimeError as e:
+            raised = str(e)
+    return raised, manager.should_commit()
+
+
+def test_misuse_found_after_the_status_left_commits_nothing_on_that_group(dist_run):
+    # before, the error raised on that group only, without reporting it to its manager: a
+    # loop that caught it and stepped committed its local gradients
+    (raised0, commit0), _ = dist_run(_misuse_found_after_the_status_left, world_size=2,
+                                     timeout=60)
+    assert raised0 and "b.weight" in raised0 and not commit0, (raised0, commit0)

@@ -428,6 +428,9 @@ class Backward:
         self._resolve_pending(f"backward iteration {p.iteration}")  # (every rank, here)
         if self._piggybacked(p) and len(p.errors) > p.status_errors:
             # misuse seen after the status was sent with the last bucket: this rank only
+            if self.comm.drop_step is not None:  # (a manager: this group's step too)
+                self.comm.drop_step(f"this replica group found misuse in backward iteration "
+                                    f"{p.iteration} after its status was sent")
             self.status.raise_problems([], [0.0] * self.world_size, p.errors)
         missing = ([] if cfg.dynamic_unused or not n_missing else
                    [self.names[i] for i in range(len(self.params)) if not p.ready[i]])
@@ -618,6 +621,7 @@ class Backward:
             self.allocate()
         p = Pass(True, len(self.params), self.passes)
         p.shadow = failed is None
+        p.errors += [failed] if failed else []  # (before the launch: the status rides it)
         if self.comm.tracer is not None:  # (the step of the ranks still training)
             self.comm.tracer.next_step(p.iteration)
         for bucket in self.buckets:
@@ -625,7 +629,6 @@ class Backward:
             bucket.launch(p, self.comm, zeros=True)
         cfg = self.config
         used = self._local_used(p)
-        p.errors += [failed] if failed else []
         _, status, _ = self._exchange_status(p, len(p.errors), used)
         if failed:
             return self._forget_nosync_used()
