@@ -443,11 +443,11 @@ class Backward:
             status = status.cpu()  # (on a GPU: waits for the device)
             self._check_steps(status)  # before the gradients reach .grad
             counts = self.status.problems(status)
+            own = bool(n_missing or p.errors)
             if sum(counts) > 0 and self.comm.drop_step:  # (a manager: every group drops)
-                own = n_missing or p.errors
                 self.comm.drop_step(f"{'this' if own else 'another'} replica group reported "
                                     f"a problem in backward iteration {p.iteration}")
-            if sum(counts) > 0 and (not self.comm.drop_step or n_missing or p.errors):
+            if sum(counts) > 0 and (own or not self.comm.drop_step):  # (else another's)
                 self.status.raise_problems(missing, counts, p.errors, self._frozen(missing),
                                            self._replaced(missing))
         global_used = None
