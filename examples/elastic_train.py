@@ -18,8 +18,9 @@ model equals an uninterrupted run's bit for bit (gloo on CPU)::
 What is saved, with ``torch.distributed.checkpoint`` (DCP) into ``<ckpt-dir>/step_<n>``:
 the model, the optimizer (momentum) and the reducer's ``state_dict()`` (its bucket layout,
 iteration count and comm-hook state: a stateful hook such as PowerSGD needs its error
-feedback back to resume exactly; with the default hook here the averages do not depend on
-it, and loading it keeps the resumed reducer's layout and counters the run's). DCP writes
+feedback back to resume exactly; at 3 or more ranks the default hook's averages depend on
+the bucket layout too, and loading it keeps the resumed reducer's layout and counters the
+run's). DCP writes
 ``.metadata`` last, once every rank has written its part, so a directory without it is a
 checkpoint the crash interrupted and is skipped.
 

@@ -105,7 +105,7 @@ def test_auto_matches_ddp_while_tuning_and_ends_alike_on_every_rank(dist_run, na
     assert log["autotune_bucket_cap_mb"] == round(r0["choice"][0] / 2**20, 4)
     assert log["bucket_cap_bytes"] == r0["choice"][0]
     assert len(log["autotune_candidates_mb"].split(", ")) == n
-    assert r0["state"]["autotune"]["choice"] == list(r0["choice"])
+    assert autotune.decode_state(r0["state"]["autotune"])["choice"] == list(r0["choice"])
 
 
 def test_the_choice_is_the_fastest_on_the_slowest_rank(dist_run):
@@ -151,6 +151,55 @@ def _tune_then_resume():
     r = _train_against_ddp("mlp", dict(bucket_cap_mb="auto"),
                            {0: [0.5, 0.5, 0.0], 1: [0.5, 0.5, 0.0]})  # candidate 2 wins
     return r, _resume(r["state"])
+
+
+def _resume_through_dcp(state, path, mid_tuning: bool):
+    """The docs' DCP recipe: ``state`` saved with ``dcp.save``, loaded into a fresh reducer's
+    ``state_dict()`` (DCP fills only the keys the template has), then ``load_state_dict``.
+    ``mid_tuning``: the state as a run saves it before its choice (the search restarts)."""
+    import torch.distributed.checkpoint as dcp
+    rank = dist.get_rank()
+    if mid_tuning:  # what tuner.state() holds before the decision
+        state = dict(state, autotune=autotune.encode_state(dict(
+            autotune.decode_state(state["autotune"]), choice=None, medians=None)))
+    dcp.save({"reducer": state}, checkpoint_id=path)
+    model = build("mlp", seed=rank)
+    with _small_caps(), tribucket.fused_bucketing(model, bucket_cap_mb="auto") as reducer:
+        template = {"reducer": reducer.state_dict()}
+        dcp.load(template, checkpoint_id=path)
+        reducer.load_state_dict(template["reducer"])
+        tuner = reducer._bw.tuner
+        done_at_load = tuner.done
+        for step in range(60 if mid_tuning else 3):  # (tuning again: until it decides)
+            loss_of(model(batch("mlp", rank, step))).backward()
+            if mid_tuning and tuner.done:
+                break
+        return dict(done_at_load=done_at_load, done=tuner.done, relayouts=tuner.relayouts,
+                    choice=tuner.choice, layout=reducer.layout.bucket_indices(),
+                    log=reducer.logging_data())
+
+
+def _tune_then_resume_through_dcp(path, mid_tuning):
+    r = _train_against_ddp("mlp", dict(bucket_cap_mb="auto"),
+                           {0: [0.5, 0.5, 0.0], 1: [0.5, 0.5, 0.0]})  # candidate 2 wins
+    return r, _resume_through_dcp(r["state"], path, mid_tuning)
+
+
+@pytest.mark.parametrize("mid_tuning", [False, True], ids=["tuned", "mid_tuning"])
+def test_a_dcp_resume_keeps_the_choice_or_tunes_again(dist_run, tmp_path, mid_tuning):
+    # before, a fresh reducer's state_dict() had no "autotune" key, so DCP dropped the saved
+    # record: a run resumed after tuning lost its choice and figures, and one saved while
+    # tuning kept the candidate it was on and never tuned again
+    for tuned, resumed in dist_run(_tune_then_resume_through_dcp, str(tmp_path / "ckpt"),
+                                   mid_tuning):
+        if mid_tuning:  # the search ran again, re-laying the buckets, to a choice
+            assert not resumed["done_at_load"] and resumed["done"], resumed
+            assert resumed["relayouts"] >= 1 and resumed["choice"] is not None, resumed
+        else:
+            assert resumed["done"] and resumed["relayouts"] == 0
+            assert resumed["choice"] == tuned["choice"] and resumed["layout"] == tuned["layout"]
+            assert resumed["log"]["autotune_bucket_cap_mb"] == \
+                tuned["log"]["autotune_bucket_cap_mb"]
 
 
 def test_a_resumed_run_keeps_the_choice_without_tuning(dist_run):

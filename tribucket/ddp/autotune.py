@@ -47,6 +47,7 @@ same sums differently, it does not change them).
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import replace
 from typing import Any
@@ -296,6 +297,20 @@ class AutoTuner:
             autotune_bucket_cap_mb=None if self.choice is None else mb(self.choice[0]),
             autotune_first_bucket_cap_mb=None if self.choice is None else mb(self.choice[1]),
         )
+
+
+def encode_state(record: dict | None) -> str:
+    """The tuning record (:meth:`Tuner.state`) as ``state_dict()["autotune"]``: one JSON
+    string, present from entering on (``"null"`` before the first rebuild), so that a
+    ``torch.distributed.checkpoint`` load into a fresh reducer's ``state_dict()``, which
+    fills only the keys the template has, brings it back whole."""
+    return json.dumps(record)
+
+
+def decode_state(saved: Any) -> dict | None:
+    """The record of a reducer state's ``"autotune"`` entry (a dict: saved by an earlier
+    release)."""
+    return json.loads(saved) if isinstance(saved, str) else saved
 
 
 def _spread(samples: list[float]) -> float:

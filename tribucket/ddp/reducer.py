@@ -30,7 +30,7 @@ from ..hooks import _hook_traits
 from ..layout import BucketLayout
 from ..trace.chrome import write_problem
 from ..trace.tracer import make_tracer, span_if_tracing, trace_path
-from . import native, optsteps, resume
+from . import autotune, native, optsteps, resume
 from .backward import Backward
 from .bucket import Comm
 from .claims import claim, release
@@ -422,8 +422,8 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
                         static_used=bw.static_used)
         state = resume.state_dict(self._names, bw.layout, progress, self._comm.hook,
                                   self._comm.hook_state, self.rank, self.world_size)
-        if bw.tuner is not None and bw.tuner.state() is not None:
-            state["autotune"] = bw.tuner.state()  # a resumed run does not tune again
+        if bw.tuner is not None:  # a resumed run does not tune again
+            state["autotune"] = autotune.encode_state(bw.tuner.state())
         return resume.with_expert_states(state, self.expert_reducers, self.rank)
 
     def load_state_dict(self, state: dict) -> None:
@@ -462,8 +462,9 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
                              f"its own buckets: {why}")
         bw.layout = layout
         bw.rebuilt = progress["rebuilt"]
-        if bw.tuner is not None and state.get("autotune") is not None:
-            bw.tuner.adopt(state["autotune"])  # the saved choice (or schedule: tune again)
+        saved = autotune.decode_state(state.get("autotune"))
+        if bw.tuner is not None and saved is not None:
+            bw.tuner.adopt(saved)  # the saved choice (or schedule: tune again)
             if not bw.tuner.done:  # saved while tuning: start again from the first candidate
                 bw.layout = bw.policy.relayout(bw.policy.caps, bw.layout.align_bytes)
         elif bw.tuner is not None and bw.rebuilt:
