@@ -453,6 +453,9 @@ class FakeManager:
     def report_error(self, e):  # as torchft's: should_commit() is then False
         self.errors.append(str(e))
 
+    def errored(self):
+        return self.errors[-1] if self.errors else None
+
     def should_commit(self):
         return not self.errors
 
@@ -930,3 +933,37 @@ def test_misuse_found_after_the_status_left_commits_nothing_on_that_group(dist_r
     (raised0, commit0), _ = dist_run(_misuse_found_after_the_status_left, world_size=2,
                                      timeout=60)
     assert raised0 and "b.weight" in raised0 and not commit0, (raised0, commit0)
+
+
+def _scaler_through_a_dropped_step():
+    """tribucket.amp.GradScaler with a manager (growth every step): step 0 commits on both
+    ranks; in step 1 rank 1's backward raises and it gives the step up (no scaler.step, no
+    update, as the docs' loop), rank 0 runs scaler.step (the optimizer steps only if
+    should_commit(), as torchft.Optimizer) and update(). Each rank's (scale, growth)."""
+    rank = dist.get_rank()
+    model, manager = _mlp(), _PairManager()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step_if_committed = opt.step
+    opt.step = lambda *a, **k: step_if_committed(*a, **k) if manager.should_commit() else None
+    scaler = tribucket.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    with tribucket.fused_bucketing(model, manager=manager, process_group=_groups()) as red:
+        for step in range(2):
+            if step == 1 and rank == 1:
+                model[0].weight.register_hook(lambda g: 1 / 0)
+            try:
+                scaler.scale(model(torch.randn(6, 8)).square().mean()).backward()
+            except ZeroDivisionError:
+                red.backward_failed()
+                continue
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    return scaler.get_scale(), scaler._get_growth_tracker()
+
+
+def test_a_dropped_step_leaves_the_loss_scale_alike_on_every_group(dist_run):
+    # before, the group that ran the dropped step grew its scale (2**10) while the one that
+    # gave the step up kept 2**9: their losses were then scaled differently and summed
+    (scale0, growth0), (scale1, growth1) = dist_run(_scaler_through_a_dropped_step,
+                                                    world_size=2, timeout=60)
+    assert (scale0, growth0) == (scale1, growth1) == (2.0**9, 0), (scale0, scale1)

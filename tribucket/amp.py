@@ -14,10 +14,12 @@ sparse or fp16 gradients, gradients modified since the backward), it does what t
 from __future__ import annotations
 
 import weakref
+from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from ._epilogue import cover
 from ._tags import expert_group, is_expert_parallel
@@ -85,6 +87,12 @@ def _agree(optimizer: torch.optim.Optimizer, found: dict) -> dict:
     return found
 
 
+def _dropping_step() -> bool:
+    from .ft import dropping_step  # (torchft itself is imported by managed reducers only)
+
+    return dropping_step()
+
+
 def _refuse_sharded(optimizer: Any) -> None:
     from .zero import ShardedOptimizer, loss_scaling_refused
 
@@ -118,6 +126,16 @@ class GradScaler(torch.amp.GradScaler):
     def step(self, optimizer, *args: Any, **kwargs: Any):
         _refuse_sharded(optimizer)
         return super().step(optimizer, *args, **kwargs)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """torch's ``update()``; in a step a torchft manager drops (``fused_bucketing(...,
+        manager=...)``), the scale and growth count stay as they are: a replica group that
+        gave the step up (a caught failure) calls no ``update()``, and every group's loss
+        must stay scaled alike."""
+        if new_scale is None and self._enabled and _dropping_step():
+            self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+            return
+        super().update(new_scale)
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                         found_inf: torch.Tensor, allow_fp16: bool) -> dict:

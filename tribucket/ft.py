@@ -223,6 +223,21 @@ class _StateSlot:
             reducer.load_live_state(state)
 
 
+#: the live managed reducers (for :func:`dropping_step`)
+_LIVE: "weakref.WeakSet[ManagedReducer]" = weakref.WeakSet()
+
+
+def dropping_step() -> bool:
+    """Whether this step is being dropped: a live managed reducer's manager holds an error
+    (``manager.errored()``; its ``should_commit()`` says no). ``tribucket.amp.GradScaler``
+    then leaves its scale as it is, as a group that gave the step up does."""
+    for reducer in list(_LIVE):
+        errored = getattr(reducer.manager, "errored", None)
+        if not reducer._bw.closed and errored is not None and errored() is not None:
+            return True
+    return False
+
+
 class ManagedReducer(Reducer):
     """A :class:`~tribucket.Reducer` whose buckets are averaged across replica groups by a
     torchft ``Manager``; built by ``fused_bucketing(model, manager=manager)``."""
@@ -250,6 +265,7 @@ class ManagedReducer(Reducer):
                 manager._tribucket_state_slot = slot
             slot.ref = weakref.ref(self)
             self._slot = slot
+            _LIVE.add(self)
         except BaseException:
             self._close(raise_errors=False)
             raise
