@@ -772,3 +772,42 @@ def test_a_forward_hook_added_after_wrapping_is_seen_by_the_unused_search(dist_r
     # then received a gradient, and every rank raised
     for worst in dist_run(_hook_added_after_wrapping, how):
         assert worst == 0.0, worst
+
+
+def _compiled_after_entering(how: str):
+    """A BatchNorm model compiled (dynamo, eager backend) after entering fused_bucketing, or
+    the wrapper compiled, 3 steps: the unique graphs dynamo made, and the largest gradient
+    difference from torch DDP's (uncompiled)."""
+    import torch._dynamo
+    rank = dist.get_rank()
+    ours, theirs = build("bn"), build("bn")
+    ddp = DDP(theirs)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with contextlib.ExitStack() as stack:
+        if how == "fused_bucketing":
+            stack.enter_context(tribucket.fused_bucketing(ours))
+            net = torch.compile(ours, backend="eager")
+        else:
+            wrapper = tribucket.DistributedDataParallel(ours)
+            stack.callback(wrapper.close)
+            net = torch.compile(wrapper, backend="eager")
+        worst = 0.0
+        for step in range(3):
+            x = batch("bn", rank, step)
+            for model, fwd in ((ours, net), (theirs, ddp)):
+                model.zero_grad()
+                loss_of(fwd(x)).backward()
+            worst = max(worst, max((a.grad - b.grad).abs().max().item()
+                                   for a, b in zip(ours.parameters(), theirs.parameters())))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    return graphs, worst
+
+
+@pytest.mark.parametrize("how", ["fused_bucketing", "wrapper"])
+def test_compiling_after_entering_makes_one_graph(dist_run, how):
+    # before, dynamo traced the reducer's forward hooks (the buffer broadcast, its waits)
+    # into the compiled region and split the forward: 10 graphs on this model, DDP's 1
+    for graphs, worst in dist_run(_compiled_after_entering, how, timeout=120):
+        assert graphs == 1 and worst < 1e-6, (graphs, worst)

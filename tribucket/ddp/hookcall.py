@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, Callable
 
 import torch
@@ -169,6 +170,37 @@ class HookRef:
 
     def __reduce__(self):
         return (HookRef, (None, self.method))
+
+
+class ForwardHookRef(HookRef):
+    """A forward hook of the reducer that ``torch.compile`` runs eagerly instead of tracing
+    it into the model's graph (a model compiled after entering): its broadcasts and
+    bookkeeping would split the graph in pieces. Until ``torch.compile`` has imported
+    ``torch._dynamo`` it is a plain :class:`HookRef` (one dict lookup more)."""
+
+    __slots__ = ("outside",)
+
+    def __init__(self, reducer: Any, method: str, args: tuple = ()):
+        super().__init__(reducer, method, args)
+        self.outside: Callable | None = None  # self._plain, marked for dynamo to skip
+
+    def __call__(self, *a: Any) -> Any:
+        if "torch._dynamo" in sys.modules:
+            if self.outside is None:
+                self.outside = sys.modules["torch._dynamo"].disable(self._plain)
+            return self.outside(*a)
+        fn = self.fn
+        return None if fn is None else fn(*self.args, *a)
+
+    def _plain(self, *a: Any) -> Any:
+        fn = self.fn
+        return None if fn is None else fn(*self.args, *a)
+
+    def __deepcopy__(self, memo: dict) -> "ForwardHookRef":
+        return ForwardHookRef(None, self.method)
+
+    def __reduce__(self):
+        return (ForwardHookRef, (None, self.method))
 
 
 def lend_timed_group(group, hook: Callable, state: Any) -> tuple[Any, Any]:

@@ -36,7 +36,8 @@ from .bucket import Comm
 from .claims import claim, release
 from .compat import DDPCompat, bucket_sizes, logging_data
 from .forward import Forward
-from .hookcall import HookRef, check_signature, hook_name, lend_timed_group
+from .hookcall import (ForwardHookRef, HookRef, check_signature, hook_name,
+                       lend_timed_group)
 from .join import JoinFlags, ReducerJoinHook, refuse_join_with_experts
 from .model import expert_replica_sets, inspect_model, module_buffers, verify_across_ranks
 from .shard import ShardAccess
@@ -210,9 +211,9 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
                         "results) meanwhile. `python -m tribucket.build` compiles them ahead "
                         "of time.")
         self._handles.append(module.register_forward_pre_hook(
-            self._hook_ref(self._forward, "pre_forward")))
+            self._hook_ref(self._forward, "pre_forward", kind=ForwardHookRef)))
         self._handles.append(module.register_forward_hook(
-            self._hook_ref(self._forward, "post_forward")))
+            self._hook_ref(self._forward, "post_forward", kind=ForwardHookRef)))
         self._forward.post_hook_id = self._handles[-1].id
 
     def _use_native(self, ext) -> None:
@@ -236,8 +237,8 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         self._python_hooks = []
         self._use_native(ext)
 
-    def _hook_ref(self, target: Any, method: str, *args: Any) -> HookRef:
-        ref = HookRef(target, method, args)
+    def _hook_ref(self, target: Any, method: str, *args: Any, kind: type = HookRef) -> HookRef:
+        ref = kind(target, method, args)
         self._hook_refs.append(ref)
         return ref
 
