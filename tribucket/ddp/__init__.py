@@ -12,7 +12,8 @@ Files, in the order one gradient meets them:
 Around them: ``reducer.py`` (the public ``Reducer``: attaching, ``no_sync``, comm hooks,
 ``close``), ``forward.py`` (its forward hooks: buffers, ``no_sync``, the end-of-backward
 callback), ``allocate.py`` (building the buckets of a layout), ``state.py`` (one backward pass, ``ReducerStats``), ``status.py`` (the
-end-of-backward agreement), ``rebuild.py`` (which layout), ``join.py`` (uneven inputs),
+end-of-backward agreement), ``settle.py`` (passes that end without a normal backward: Join
+shadow passes, a backward that raised, a step a torchft replica group gave up), ``rebuild.py`` (which layout), ``join.py`` (uneven inputs),
 ``resume.py`` (checkpoints), ``model.py`` (which parameters, the same on every rank),
 ``watchdog.py`` (timeouts, debug fingerprints), ``claims.py`` (one live reducer per
 parameter), ``hookcall.py`` (calling comm hooks), ``graph.py`` (which parameters a
