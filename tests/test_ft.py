@@ -739,10 +739,9 @@ def _one_group_fails_and_catches():
     """Rank 1's backward raises (a hook on the last gradient) and it catches the error,
     calls ``reducer.backward_failed()`` and skips the step, as docs/reliability.md's loop
     does: ``(should_commit() on this rank, the reported errors)``."""
-    rank, mine = dist.get_rank(), (dist.new_group([0]), dist.new_group([1]))
+    rank = dist.get_rank()
     model, manager = _mlp(), _PairManager()
-    with tribucket.fused_bucketing(model, manager=manager,
-                                   process_group=mine[rank]) as red:
+    with tribucket.fused_bucketing(model, manager=manager, process_group=_groups()) as red:
         model(torch.randn(6, 8)).square().mean().backward()  # a step both complete
         assert manager.should_commit()
         model.zero_grad()
@@ -767,21 +766,11 @@ def test_a_group_that_catches_a_failed_backward_drops_the_step_everywhere(dist_r
 def _branch_used_by_one_group(find_unused: bool):
     """``find_unused_parameters``: a branch only rank 1's forward uses. Each rank's gradients
     of every parameter (None where it has none) and torch DDP's on the same pool."""
-    rank, mine = dist.get_rank(), (dist.new_group([0]), dist.new_group([1]))
-
-    class Branchy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
-
-        def forward(self, x, use_b):
-            return self.a(x) + (self.b(x) if use_b else 0)
-
-    ours, ref = Branchy(), Branchy()
+    rank = dist.get_rank()
+    ours, ref = _Branchy(), _Branchy()
     ddp = nn.parallel.DistributedDataParallel(ref, find_unused_parameters=find_unused)
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))
-    with tribucket.fused_bucketing(ours, manager=_PairManager(), process_group=mine[rank],
+    with tribucket.fused_bucketing(ours, manager=_PairManager(), process_group=_groups(),
                                    find_unused_parameters=find_unused):
         ours(x, rank == 1).square().mean().backward()
     ddp(x, rank == 1).square().mean().backward()
