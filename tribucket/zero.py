@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ._shard import all_gather_single, clip_slices_, slices_partial
 from . import _exit
 from .ddp import optsteps
-from .ddp.hookcall import HookRef
+from .ddp.hookcall import ForwardHookRef, HookRef, compiling
 from ._zero_checks import (ELEMENTWISE_OPTIMIZERS, _agree_across_ranks,  # noqa: F401
                            _check_optimizer_class, _normalize_groups, _refuse_loss_scaling,
                            loss_scaling_refused)
@@ -196,6 +196,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                                        self._user_groups)]
         self._init_optimizer_interface()
         self._gathers: list = [None] * len(self._flat)  # per bucket: all-gather in flight
+        self._landed = True  # no gather in flight (set by wait_parameters(), not by _wait)
         self._overlap = bool(overlap_param_gather)
         _exit.register(self)  # gathers drained, groups dropped before interpreter shutdown
         self._hooks = self._wait_hooks(module, averaged) if self._overlap else []
@@ -216,19 +217,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _wait_hooks(self, module, averaged: list) -> list:
         """A forward pre-hook and a state_dict pre-hook on every module holding parameters:
         wait for their buckets (``model.state_dict()`` right after ``step()``, or a layer's,
-        holds the gathered parameters)."""
+        holds the gathered parameters). And, first on the model, a forward pre-hook that
+        waits for every bucket when ``torch.compile`` traces the forward: there the modules'
+        waits are left out of the graph (each would split it)."""
         bucket_of = {id(averaged[i]): b for b, bucket in enumerate(self.reducer.layout.buckets)
                      for i in bucket.indices}
-        handles = []
+        handles = [module.register_forward_pre_hook(
+            _CompiledForwardWait(self, "_wait_all_hook"), prepend=True)]
         for m in module.modules():
             buckets = sorted({bucket_of[id(q)] for q in m.parameters(recurse=False)
                               if id(q) in bucket_of})
             if buckets:  # (a copy or a pickle of the model gets inert hooks: see HookRef)
-                hook = HookRef(self, "_wait_hook", (tuple(buckets),))
+                hook = _ModuleWait(self, "_wait_hook", (tuple(buckets),))
                 handles.append(m.register_forward_pre_hook(hook))
                 handles.append(m.register_state_dict_pre_hook(hook))
                 handles.append(m.register_load_state_dict_pre_hook(hook))
         return handles
+
+    def _wait_all_hook(self, *_module_and_args) -> None:
+        self.wait_parameters()
 
     def _wait_hook(self, buckets, *_module_and_args) -> None:
         self._wait(buckets)
@@ -264,6 +271,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def wait_parameters(self) -> None:
         """Wait for the parameters' all-gathers (``overlap_param_gather=True``)."""
         self._wait(range(len(self._gathers)))
+        self._landed = True
 
     def _build(self, shards, where: dict, averaged: list):
         """Flat parameter buffers per bucket (parameters become views), master shards, and
@@ -427,6 +435,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self._world > 1:
                 self._gathers[b] = all_gather_single(flat, mine, group=self._group,
                                                      async_op=True)
+                self._landed = False
         if not self._overlap:
             self.wait_parameters()
 
@@ -684,3 +693,43 @@ def _names(group: dict) -> dict:
 def _hooked(out: Any, state: dict) -> dict:
     """A state-dict hook may return a replacement (torch's contract) or None."""
     return state if out is None else out
+
+
+class _CompiledForwardWait(ForwardHookRef):
+    """The model's first forward pre-hook: in a forward ``torch.compile`` traces, it waits for
+    every bucket's all-gather outside the graph (a break at the forward's start, as the
+    reducer's own forward hooks); in an eager forward it does nothing (the modules wait)."""
+
+    __slots__ = ()
+
+    def __call__(self, *a: Any) -> Any:
+        return super().__call__(*a) if compiling() else None
+
+    def __deepcopy__(self, memo: dict) -> "_CompiledForwardWait":
+        return _CompiledForwardWait(None, self.method)
+
+    def __reduce__(self):
+        return (_CompiledForwardWait, (None, self.method))
+
+
+class _ModuleWait(ForwardHookRef):
+    """A module's wait for its buckets' all-gathers. Traced by ``torch.compile``: nothing when
+    every gather has landed (the model's :class:`_CompiledForwardWait` waited for all, or no
+    step ran since), else the wait outside the graph (a submodule compiled on its own)."""
+
+    __slots__ = ()
+
+    def __call__(self, *a: Any) -> Any:
+        if compiling():
+            fn = self.fn
+            if fn is None or fn.__self__._landed:
+                return None
+            return super().__call__(*a)
+        fn = self.fn
+        return None if fn is None else fn(*self.args, *a)
+
+    def __deepcopy__(self, memo: dict) -> "_ModuleWait":
+        return _ModuleWait(None, self.method)
+
+    def __reduce__(self):
+        return (_ModuleWait, (None, self.method))

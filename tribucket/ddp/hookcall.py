@@ -172,6 +172,11 @@ class HookRef:
         return (HookRef, (None, self.method))
 
 
+def compiling() -> bool:
+    """Whether ``torch.compile`` is tracing the caller (no import of dynamo before it ran)."""
+    return "torch._dynamo" in sys.modules and torch.compiler.is_compiling()
+
+
 class ForwardHookRef(HookRef):
     """A forward hook of the reducer that ``torch.compile`` runs eagerly instead of tracing
     it into the model's graph (a model compiled after entering): its broadcasts and
