@@ -1016,3 +1016,47 @@ def test_compiling_after_entering_makes_one_graph(dist_run, overlap):
     # Work.wait broke the graph there (4 graphs on this model against 1 without the overlap)
     for graphs, worst in dist_run(_compiled_after_entering, overlap, timeout=120):
         assert graphs == 1 and worst < 1e-5, (graphs, worst)
+
+
+class _AuxNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head, self.aux = nn.Linear(8, 8), nn.Linear(8, 2), nn.Linear(8, 2)
+
+    def forward(self, x, use_aux: bool):
+        h = torch.tanh(self.body(x))
+        return self.head(h) + (self.aux(h) if use_aux else 0)
+
+
+def _aux_only_in_no_sync():
+    """An auxiliary head used only in the no_sync micro-batches of each accumulation window,
+    sharded AdamW against DDP + AdamW: the largest parameter difference after 3 windows."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ours = _AuxNet()
+    theirs = copy.deepcopy(ours)
+    ddp = DDP(theirs, find_unused_parameters=True)
+    ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    with tribucket.fused_bucketing(ours, find_unused_parameters=True, shard_optimizer=True,
+                                   bucket_cap_mb=CAP) as red:
+        opt = ShardedOptimizer(red, torch.optim.AdamW, lr=1e-2)
+        for step in range(3):
+            for micro in range(3):
+                x = torch.randn(6, 8, generator=torch.Generator().manual_seed(
+                    100 * rank + 10 * step + micro))
+                use_aux = micro < 2  # the last micro-batch synchronises without it
+                for model, ctx in ((ours, red.no_sync), (ddp, ddp.no_sync)):
+                    with ctx() if micro < 2 else contextlib.nullcontext():
+                        model(x, use_aux).square().mean().backward()
+            opt.step()
+            ref.step()
+            opt.zero_grad()
+            ref.zero_grad()
+    return _largest_gap(ours, theirs)
+
+
+def test_a_gradient_from_no_sync_only_is_averaged_and_stepped(dist_run):
+    # before, a parameter whose gradient came only from no_sync micro-batches was taken as
+    # unused (its .grad was already in the bucket) and never stepped: aux moved 0
+    for worst in dist_run(_aux_only_in_no_sync):
+        assert worst < 1e-6, worst

@@ -232,6 +232,10 @@ class Backward(Settle):
             p.scale = 1.0 / self.join_flags.divisor(work, self.world_size, self.passes,
                                                     active)
         self.epilogue.reset()  # the figures of the last backward are void
+        if self.shards is not None and self.nosync_used is not None and any(self.nosync_used):
+            # (a launched sharded bucket releases its parameters' .grad: read them now)
+            p.nosync_grads = frozenset(i for i, f in enumerate(self.nosync_used)
+                                       if f and self.params[i].grad is not None)
         cfg = self.config
         p.record_order = (self.policy.may_rebuild(self.rebuilt)
                           and (not cfg.static_graph or self.static_counts is not None))
@@ -575,7 +579,10 @@ class Backward(Settle):
         sharded = self.shards is not None
         used = [1.0 if (f > 0 and (sharded or self.params[i].grad is not None)) else 0.0
                 for i, f in enumerate(p.fired)]
-        if self.nosync_used is not None and any(self.nosync_used):
+        if sharded:
+            for i in p.nosync_grads:
+                used[i] = 1.0
+        elif self.nosync_used is not None and any(self.nosync_used):
             for i, f in enumerate(self.nosync_used):
                 if f and self.params[i].grad is not None:
                     used[i] = 1.0

@@ -52,7 +52,7 @@ class Pass:
     __slots__ = ("sync", "ready", "fired", "next_bucket", "t_start", "callback_queued",
                  "any_ready", "bytes", "errors", "scale", "shadow", "status_errors",
                  "record_order", "iteration", "plain", "step", "opt_step", "create_graph",
-                 "skip", "skip_agreement")
+                 "skip", "skip_agreement", "nosync_grads")
 
     def __init__(self, sync: bool, n_params: int, iteration: int):
         self.sync = sync                       # False: no_sync, gradients stay local
@@ -75,6 +75,8 @@ class Pass:
         self.skip: frozenset = frozenset()     # buckets not all-reduced: all params unused
         self.skip_agreement = None             # (work, flags): which of them every rank skips
         self.create_graph = False              # backward(create_graph=True): packs no_grad
+        self.nosync_grads: frozenset = frozenset()  # sharded: parameters holding a no_sync
+        # gradient at the pass's first gradient (their .grad is released once packed)
         self.plain = False                     # a gradient needs only to be counted in:
         # synced, first gradient seen, no hook counts, no used map, no order to record
 
