@@ -762,6 +762,60 @@ def test_requires_grad_changed_after_entering_is_named(dist_run, change):
         assert error < 1e-6, f"{change}: after entering again, max |grad - reference| {error}"
 
 
+# ------------------------------------------------------------ parameters set mid-run
+def _model_changed_after_entering(change):
+    """Two steps, then the model changed inside the block (a new head, a replaced weight, an
+    adapter added, a weight re-tied to itself, a frozen layer added), then a step; then the
+    fix the error gives (enter again) and a step. ``(outcome, message, largest gradient
+    difference between the ranks after entering again)``."""
+    rank = dist.get_rank()
+    model = build("mlp")
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, find_unused_parameters=True,
+                                   timeout=TIMEOUT):
+        for step in range(2):
+            model.zero_grad()
+            loss_of(model(batch("mlp", rank, step))).backward()
+        torch.manual_seed(7)  # the same new weights on every rank
+        if change == "head":
+            model.head = torch.nn.Linear(16, 3)
+        elif change == "weight":
+            model.layers[0].weight = torch.nn.Parameter(torch.randn(16, 16) / 4)
+        elif change == "adapter":
+            model.layers[0].lora = torch.nn.Linear(16, 16, bias=False)
+        elif change == "retied":
+            model.layers[0].weight = model.layers[0].weight
+        else:  # a frozen layer: nothing to average
+            model.layers[0].extra = torch.nn.Linear(16, 16).requires_grad_(False)
+        model.zero_grad()
+        kind, message = _outcome(lambda: loss_of(model(batch("mlp", rank, 2))).backward())
+    model.zero_grad()
+    with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, find_unused_parameters=True,
+                                   timeout=TIMEOUT):
+        loss_of(model(batch("mlp", rank, 3))).backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    every = [torch.empty_like(grads) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, grads)
+    return kind, message, max((g - grads).abs().max().item() for g in every)
+
+
+@pytest.mark.parametrize("change,named", [("head", "submodule 'head'"),
+                                          ("weight", "parameter 'layers.0.weight'"),
+                                          ("adapter", "submodule 'layers.0.lora'"),
+                                          ("retied", None), ("frozen_layer", None)])
+def test_parameters_set_after_entering_are_named(dist_run, change, named):
+    """A head replaced or an adapter added inside the block would train on each rank's own
+    gradient (DDP's models drift apart, silently): the next training forward raises on every
+    rank, naming it. Setting a parameter the reducer already averages, or a frozen layer, is
+    no change to what is averaged."""
+    for kind, message, spread in dist_run(_model_changed_after_entering, change):
+        if named is None:
+            assert kind == "ok", message
+        else:
+            assert kind == "error", f"{change}: no error"
+            assert named in message and "enter it again" in message, message
+        assert spread < 1e-6, f"{change}: after entering again the ranks' gradients differ"
+
+
 # ------------------------------------------------------------ dtype or device changed mid-run
 def _retyped_after_entering(change, native_hooks, device="cpu"):
     """Two steps, then the model converted in place (``model.double()``, or

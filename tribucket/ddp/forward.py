@@ -23,6 +23,7 @@ from .backward import Backward
 from .graph import output_tensors, reachable_parameters
 from .join import JoinFlags
 from .status import unfrozen_error
+from .surgery import Watch, changed_error
 from .watchdog import CommGuard
 
 __all__ = ["Forward"]
@@ -53,6 +54,7 @@ class Forward:
         #: (name, parameter) of the model's parameters that did not require grad on entering
         #: (not averaged): one that requires grad now would train unaveraged on every rank
         self.frozen: list[tuple[str, torch.Tensor]] = []
+        self.watch: Watch | None = None  # parameters and submodules set since entering
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         hooks = module._forward_hooks
@@ -74,6 +76,8 @@ class Forward:
             return
         if bw.pass_ is not None and torch._C._current_graph_task_id() == -1:
             bw.settle_abandoned()  # outside any backward: the last one raised
+        if self.watch is not None and self.watch.changes:  # (a new head, adapters...)
+            raise RuntimeError(changed_error(self.watch.changes))
         if self.frozen and any(p.requires_grad for _, p in self.frozen):
             # (before this forward's collectives: every rank that unfroze raises here)
             raise RuntimeError(unfrozen_error([n for n, p in self.frozen if p.requires_grad]))

@@ -42,6 +42,7 @@ from .join import JoinFlags, ReducerJoinHook, refuse_join_with_experts
 from .model import expert_replica_sets, inspect_model, module_buffers, verify_across_ranks
 from .shard import ShardAccess
 from .state import ReducerStats
+from .surgery import Watch
 from .watchdog import CommGuard
 
 __all__ = ["Reducer", "ReducerStats", "fused_bucketing"]
@@ -151,6 +152,9 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
                                 self._hook_ref(self._bw, "on_backward_start"))
         self._forward.frozen = view.frozen
         self._attach()
+        if _only is None:  # (the expert replicas' reducers: the model's is this one's)
+            self._forward.watch = Watch(module)
+            self._handles.append(self._forward.watch)  # (close removes it)
         #: reducers averaging expert replicas over their replica groups (expert x data
         #: parallelism), one per replica group, built with this reducer's options; never
         #: sharded: a ShardedOptimizer steps only this reducer's parameters, the experts'
