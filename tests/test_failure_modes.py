@@ -816,6 +816,28 @@ def test_parameters_set_after_entering_are_named(dist_run, change, named):
         assert spread < 1e-6, f"{change}: after entering again the ranks' gradients differ"
 
 
+def _static_graph_loses_a_branch():
+    """static_graph=True, the head used in the first iteration only: the second backward's
+    error."""
+    rank = dist.get_rank()
+    model = build("mlp")
+    with tribucket.fused_bucketing(model, static_graph=True, timeout=TIMEOUT):
+        loss_of(model(batch("mlp", rank, 0))).backward()
+        x = batch("mlp", rank, 1)
+        for layer in model.layers:  # the head left out
+            x = torch.tanh(layer(x))
+        return _outcome(lambda: x.sum().backward())
+
+
+def test_a_static_graph_that_changed_says_so(dist_run):
+    # before, the error advised "static_graph=True if the unused set never changes", which
+    # the user had passed
+    for kind, message in dist_run(_static_graph_loses_a_branch):
+        assert kind == "error" and "head.weight" in message, message
+        assert "static_graph does not allow" in message, message
+        assert "find_unused_parameters=True instead of static_graph" in message, message
+
+
 # ------------------------------------------------------------ dtype or device changed mid-run
 def _retyped_after_entering(change, native_hooks, device="cpu"):
     """Two steps, then the model converted in place (``model.double()``, or

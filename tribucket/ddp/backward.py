@@ -64,6 +64,7 @@ class Backward(Settle):
         self.tuner = tuner_for(config, self.policy)  # bucket_cap_mb="auto" (autotune.py)
         self.status = Status(guard, self.rank, self.world_size, len(params), device,
                              config.needs_used_map)
+        self.status.static_graph = config.static_graph
         self.layout: BucketLayout = self.policy.initial()
         self.buckets: list = []                # built at the first backward (allocate)
         self.slot: list = []                   # parameter -> (its bucket, position in it)

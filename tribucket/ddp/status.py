@@ -49,6 +49,7 @@ class Status:
         # room for the used map (find_unused_parameters or static_graph): the length is
         # fixed, so the tail of the last bucket can hold it
         self.length = 3 * world_size + (n_params if with_used_map else 0)
+        self.static_graph = False  # the advice of a missing gradient (set by Backward)
 
     @staticmethod
     def marks(p) -> tuple[int, int]:
@@ -211,10 +212,15 @@ class Status:
             "tribucket: some parameters received no gradient in this backward pass "
             f"({', '.join(ranks)} parameters missing). This rank ({self.rank}) got no gradient "
             f"for: {_listed(names, 20)}.{why} Every rank "
-            "still completed its collectives, so none is left waiting. If parts of the model "
-            "are legitimately unused, pass find_unused_parameters=True to fused_bucketing (or "
-            "static_graph=True if the unused set never changes); otherwise make sure every "
-            "parameter contributes to the loss.")
+            "still completed its collectives, so none is left waiting. " + (
+                "static_graph=True: these got a gradient in the first iteration and none now, "
+                "so the graph changed, which static_graph does not allow; if the set of "
+                "parameters used changes between iterations, pass find_unused_parameters=True "
+                "instead of static_graph." if self.static_graph else
+                "If parts of the model are legitimately unused, pass "
+                "find_unused_parameters=True to fused_bucketing (or static_graph=True if the "
+                "unused set never changes); otherwise make sure every parameter contributes to "
+                "the loss."))
 
 
 def _listed(names: list[str], limit: int) -> str:
