@@ -163,6 +163,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         "of the reducer's model), so it has no gradient shard; give it to a "
                         "separate torch optimizer")
         self._flat, self._master, self._segments = self._build(shards, where, averaged)
+        self._bound_params = [p for p, _, _ in self._bound]
+        self._ptrs = [view.data_ptr() for _, view, _ in self._bound]
         self._where = where
         # per low-precision bucket: its parameters, and the sum of their version counters
         # when its fp32 master slice last rounded to them; a write through a parameter
@@ -278,6 +280,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         the segments of this rank's shards, per param group."""
         layout = self.reducer.layout
         flats, masters, segments = [], [], []
+        self._bound: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (param, view, bucket)
         for shard, bucket in zip(shards, layout.buckets):
             flat = torch.zeros(shard.padded_numel, dtype=bucket.dtype, device=bucket.device)
             with torch.no_grad():
@@ -286,6 +289,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     view = flat.narrow(0, off, n).view(p.shape)
                     view.copy_(p)
                     p.data = view  # the parameter now lives in the bucket's buffer
+                    self._bound.append((p, view, shard.index))
             mine = flat.narrow(0, shard.lo, shard.shard_numel)
             # fp32 master copies of low-precision shards (Megatron's distributed optimizer)
             master = mine.float() if bucket.dtype in _LOW_PRECISION else mine
@@ -373,6 +377,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         _refuse_loss_scaling(self)
         self._guard.mark_call("opt.step()")
         self.wait_parameters()  # a step before the next forward: the last gathers are done
+        if list(map(_data_ptr, self._bound_params)) != self._ptrs:
+            self._take_rebound_parameters()
         self._take_written_parameters()
         tr = self.reducer._comm.tracer
         rec = tr.begin("optimizer.step") if tr is not None else None
@@ -442,6 +448,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _mine(self, b: int) -> torch.Tensor:
         """This rank's shard of bucket ``b``'s parameters (in their buffer)."""
         return self._flat[b].narrow(0, self.reducer.shards[b].lo, self._master[b].numel())
+
+    def _take_rebound_parameters(self) -> None:
+        """A parameter whose ``.data`` was set to another tensor (``p.data = merged``, as
+        adapter-merging code does) no longer lives in its bucket's buffer, which the step
+        updates and the all-gather fills: its values go into the buffer (the master takes
+        them as any write), and it lives there again."""
+        for p, view, b in self._bound:
+            if p.data_ptr() == view.data_ptr():
+                continue
+            if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:
+                raise RuntimeError(
+                    f"ShardedOptimizer: a parameter's .data was set to a tensor of shape "
+                    f"{tuple(p.shape)}, {p.dtype} on {p.device}; it was {tuple(view.shape)}, "
+                    f"{view.dtype} on {view.device} when fused_bucketing was entered. Its "
+                    "bucket holds that shape and dtype: leave fused_bucketing, change the "
+                    "model, enter again and build the optimizer again")
+            with torch.no_grad():
+                view.copy_(p.data)
+            p.data = view
+            if self._low[b] is not None:
+                self._seen[b] = -1  # the master takes the buffer's new values
 
     def _take_written_parameters(self) -> None:
         """Parameters of a low-precision bucket written since its master last rounded to
@@ -669,6 +696,9 @@ def _scalars(st: dict | None, shape: tuple) -> tuple | None:
         return None
     return tuple(sorted((k, v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
                         for k, v in st.items() if not _param_shaped(k, v, shape)))
+
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _versions(params: list[torch.Tensor]) -> int:
