@@ -73,6 +73,9 @@ def merge_sharded_state_dicts(shards: list[dict]) -> dict:
             if isinstance(v, torch.Tensor) and v.dim() == 1 and key not in _SCALAR_KEYS \
                     and v.numel() == _numel(shapes[u]):
                 dst[key] = v.view(shapes[u])
+    for s in shards:  # parameters without a shard (frozen): their state as loaded
+        for u, dst in s.get("unsharded_state", {}).items():
+            state.setdefault(u, dst)
     groups = []
     for saved, members in zip(first["optimizer"]["param_groups"], first["param_groups"]):
         groups.append({**{k: v for k, v in saved.items() if k != "params"},

@@ -166,6 +166,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._bound_params = [p for p, _, _ in self._bound]
         self._ptrs = [view.data_ptr() for _, view, _ in self._bound]
         self._where = where
+        # the saved state of parameters in the groups that have no shard here (frozen when
+        # fused_bucketing was entered), kept as loaded and given back by state_dict(), as a
+        # torch optimizer keeps a frozen parameter's state: it resumes when unfrozen
+        self._unsharded = sorted(set(range(len(self._user_params)))
+                                 - {u for _, u in where.values()})
+        self._parked: dict[int, dict] = {}
         # per low-precision bucket: its parameters, and the sum of their version counters
         # when its fp32 master slice last rounded to them; a write through a parameter
         # since (the model's load_state_dict) is taken into the master at the next step
@@ -538,6 +544,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                          for s in self._inner],
             "param_shapes": [tuple(p.shape) for p in self._user_params],
             "param_groups": [list(g) for g in self._user_groups],
+            # (the same on every rank: rank 0's is the merged one)
+            "unsharded_state": _to_cpu(self._parked) if self._rank == 0 else {},
         }
 
     def load_sharded_state_dict(self, state: dict) -> None:
@@ -561,6 +569,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              "bucket layout (model, param groups or bucket_cap_mb differ); "
                              "save and load with state_dict()/load_state_dict() instead")
         self._load_inner(state["optimizer"])
+        self._parked = dict(state.get("unsharded_state", {}))
         self._options_up()
 
     def _load_inner(self, inner: dict) -> None:
@@ -679,6 +688,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         entry[key] = v.clone() if isinstance(v, torch.Tensor) else v
             if entry:
                 inner_state[j] = entry
+        self._parked = {u: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                            for k, v in saved_state[ids[u]].items()}
+                        for u in self._unsharded if saved_state.get(ids[u])}
         inner_groups, k = [], 0
         for saved, group in zip(saved_groups, self.optim.param_groups):
             n = len(group["params"])
