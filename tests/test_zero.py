@@ -982,6 +982,15 @@ def test_a_rebuilt_layout_refused_by_a_sharded_reducer_says_why(dist_run):
         assert "rebuilt" in message and "ready order" in message, message
 
 
+def _train_step(ours, ddp, opt, ref, x) -> None:
+    """One step of both: ``ours`` with ``opt`` (sharded), ``ddp`` with ``ref``."""
+    ours(x).square().mean().backward()
+    ddp(x).square().mean().backward()
+    opt.step()
+    ref.step()
+    opt.zero_grad()
+    ref.zero_grad()
+
 def _compiled_after_entering(overlap: bool):
     """The model compiled (dynamo, eager backend) after entering with the sharded optimizer,
     5 steps against DDP + AdamW (uncompiled): the unique graphs dynamo made, and the largest
@@ -996,13 +1005,7 @@ def _compiled_after_entering(overlap: bool):
         opt = ShardedOptimizer(red, torch.optim.AdamW, lr=1e-2, overlap_param_gather=overlap)
         net = torch.compile(ours, backend="eager")
         for step in range(5):
-            x = _batch(dist.get_rank(), step)
-            net(x).square().mean().backward()
-            ddp(x).square().mean().backward()
-            opt.step()
-            ref.step()
-            opt.zero_grad()
-            ref.zero_grad()
+            _train_step(net, ddp, opt, ref, _batch(dist.get_rank(), step))
         opt.wait_parameters()  # (the forwards waited inside; this is the last step's)
         worst = _largest_gap(ours, theirs)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -1077,13 +1080,7 @@ def _data_rebound_mid_run(overlap: bool):
                 for model in (ours, theirs):
                     model.mid.weight.data = model.mid.weight.data * 0.5
                     model.head.bias.data = model.head.bias.data + 1.0
-            x = _batch(rank, step)
-            ours(x).square().mean().backward()
-            ddp(x).square().mean().backward()
-            opt.step()
-            ref.step()
-            opt.zero_grad()
-            ref.zero_grad()
+            _train_step(ours, ddp, opt, ref, _batch(rank, step))
         opt.wait_parameters()
         return _largest_gap(ours, theirs)
 
@@ -1121,13 +1118,7 @@ def _freeze_and_unfreeze_through_reentering():
             for model in (ours, theirs):
                 model.inp.requires_grad_(step == 4)
             opt = enter(opt.state_dict())
-        x = _batch(rank, step)
-        ours(x).square().mean().backward()
-        ddp(x).square().mean().backward()
-        opt.step()
-        ref.step()
-        opt.zero_grad()
-        ref.zero_grad()
+        _train_step(ours, ddp, opt, ref, _batch(rank, step))
     stack.close()
     return _largest_gap(ours, theirs)
 
