@@ -838,6 +838,36 @@ def test_a_static_graph_that_changed_says_so(dist_run):
         assert "find_unused_parameters=True instead of static_graph" in message, message
 
 
+def _frozen_between_blocks_with_a_local_grad():
+    """A no_sync micro-batch in one block, the first layer frozen, the synchronising
+    micro-batch in a new block: what the reducer logged on entering."""
+    import logging
+
+    rank = dist.get_rank()
+    model = build("mlp")
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("tribucket").addHandler(handler)
+    try:
+        with tribucket.fused_bucketing(model, timeout=TIMEOUT) as reducer:
+            with reducer.no_sync():
+                loss_of(model(batch("mlp", rank, 0))).backward()
+        model.layers[0].requires_grad_(False)
+        with tribucket.fused_bucketing(model, timeout=TIMEOUT):
+            loss_of(model(batch("mlp", rank, 1))).backward()
+    finally:
+        logging.getLogger("tribucket").removeHandler(handler)
+    return [m for m in logged if "do not require grad but hold a .grad" in m]
+
+
+def test_entering_with_a_frozen_parameter_holding_a_grad_warns(dist_run):
+    # before: nothing said that the frozen layer's local no_sync gradient stays unaveraged
+    # (an optimizer then steps each rank's own; DDP is silent too)
+    for warned in dist_run(_frozen_between_blocks_with_a_local_grad):
+        assert len(warned) == 1 and "layers.0.weight" in warned[0], warned
+
+
 # ------------------------------------------------------------ dtype or device changed mid-run
 def _retyped_after_entering(change, native_hooks, device="cpu"):
     """Two steps, then the model converted in place (``model.double()``, or

@@ -107,6 +107,15 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
                                  functools.partial(module_buffers, module, ignored))
         self._names, self._params = view.names, view.params
         self._device = view.device
+        if stale := [n for n, p in view.frozen if p.grad is not None]:
+            logger.warning(
+                "tribucket: %d parameter(s) do not require grad but hold a .grad (%s), from "
+                "a backward before fused_bucketing was entered (a no_sync micro-batch before "
+                "a layer was frozen?). This reducer does not average them, and an optimizer "
+                "steps a .grad it finds: each rank would apply its own. Set their .grad to "
+                "None (optimizer.zero_grad()) or finish the accumulation window before "
+                "freezing.", len(stale), ", ".join(stale[:10]) + (" ..." if len(stale) > 10
+                                                               else ""))
         claim(self, view.names, view.params)  # before any collective: one reducer per param
         try:
             # same model and options everywhere: checked on the user's group, before the
