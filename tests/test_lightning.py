@@ -38,6 +38,7 @@ import lightning as L  # noqa: E402
 
 import tribucket  # noqa: E402
 import tribucket.lightning  # noqa: E402,F401  (registers strategy="tribucket")
+from lightning.pytorch.callbacks import BaseFinetuning  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from tribucket.lightning import FusedBucketingStrategy  # noqa: E402
 
@@ -445,6 +446,69 @@ def test_strategy_instance_like_the_loop(dist_run, which):
     results = dist_run(_strategy_vs_loop, which, timeout=180)
     assert results[0]["dense"] == results[1]["dense"], "the ranks' dense parameters differ"
     assert all(r["moved"] > LR / 2 for r in results)
+
+
+class _FinetuneNet(L.LightningModule):
+    """A backbone frozen before training and unfrozen at epoch 1 (``_Unfreeze``), a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(self.backbone(x)), y)
+
+    def training_step(self, batch, batch_idx):
+        return self(*batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=LR)
+
+
+class _Unfreeze(BaseFinetuning):
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.backbone)
+
+    def finetune_function(self, pl_module, epoch, optimizer):
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, lr=LR,
+                                              initial_denom_lr=1.0)
+
+
+def _progressive_unfreezing() -> dict:
+    """Lightning's BaseFinetuning unfreezing the backbone at epoch 1 under the strategy,
+    against the loop a user writes for it (leave fused_bucketing, unfreeze, add the param
+    group, enter again): the same bits."""
+    rank = dist.get_rank()
+    L.seed_everything(1, verbose=False)
+    model = _FinetuneNet()
+    with tempfile.TemporaryDirectory() as tmp:
+        _trainer("tribucket", tmp, max_epochs=3, callbacks=[_Unfreeze()]).fit(model, _loader())
+    L.seed_everything(1, verbose=False)
+    reference = _FinetuneNet()
+    reference.backbone.requires_grad_(False)
+    opt = torch.optim.AdamW(reference.head.parameters(), lr=LR)
+    for epoch in range(3):
+        if epoch == 1:
+            reference.backbone.requires_grad_(True)
+            opt.add_param_group({"params": list(reference.backbone.parameters()), "lr": LR})
+        with tribucket.fused_bucketing(reference):
+            for x, y in _loader():
+                reference(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(a, b), f"rank {rank}: {name} differs from the loop's"
+    return {"digest": _digest(model)}
+
+
+@pytest.mark.dist
+def test_progressive_unfreezing_with_base_finetuning(dist_run):
+    # before, the strategy's reducer raised at the first forward after the unfreeze, telling
+    # a Lightning user to leave fused_bucketing and enter it again ("ddp" drifts silently)
+    results = dist_run(_progressive_unfreezing, timeout=180)
+    assert results[0]["digest"] == results[1]["digest"], "the ranks' parameters differ"
 
 
 # ------------------------------------------------------------------------ Fabric

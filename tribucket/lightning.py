@@ -172,10 +172,14 @@ class _Wrapper(nn.Module):
 
 def _attach(module: nn.Module, process_group, hook, hook_state, options: dict) -> tuple[_Wrapper, Reducer]:
     wrapper = _Wrapper(module)
+    return wrapper, _reducer(wrapper, process_group, hook, hook_state, options)
+
+
+def _reducer(wrapper: _Wrapper, process_group, hook, hook_state, options: dict) -> Reducer:
     reducer = Reducer(wrapper, process_group, **options)
     if hook is not None:
         reducer.register_comm_hook(hook_state, hook)
-    return wrapper, reducer
+    return reducer
 
 
 def _fused_scaler(scaler: torch.amp.GradScaler, device: str) -> torch.amp.GradScaler:
@@ -272,6 +276,19 @@ class FusedBucketingStrategy(_PLDDPStrategy):
 
     def _register_ddp_hooks(self) -> None:
         pass  # the comm hook is registered with the reducer in configure_ddp
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # what the model trains changed since the reducer was built (BaseFinetuning unfroze
+        # a backbone at an epoch's start, a callback froze a layer or replaced the head):
+        # average the new set, as leaving fused_bucketing and entering again does in a loop
+        # (run after the callbacks' and the module's on_train_batch_start, on every rank)
+        reducer = self.reducer
+        if reducer is not None and reducer._trains_another_set():
+            wrapper = self.model
+            reducer.close()
+            self.reducer = None
+            self.reducer = _reducer(wrapper, None, self._hook, self._hook_state, self._options)
+        super().on_train_batch_start(batch, batch_idx)
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import operator
 from dataclasses import replace
 from typing import Any, Callable, Iterator
 
@@ -228,6 +229,15 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         self._handles.append(module.register_forward_hook(
             self._hook_ref(self._forward, "post_forward", kind=ForwardHookRef)))
         self._forward.post_hook_id = self._handles[-1].id
+
+    def _trains_another_set(self) -> bool:
+        """Whether what the model trains changed since entering: a parameter frozen then
+        requires grad, an averaged one does not, or a parameter or submodule was set (a new
+        reducer would average another set)."""
+        forward = self._forward
+        return bool((forward.watch is not None and forward.watch.changes)
+                    or any(p.requires_grad for _, p in forward.frozen)
+                    or not all(map(_requires_grad, self._params)))
 
     def _use_native(self, ext) -> None:
         self._bw.native = native.NativeHooks(ext, self._params, self._bw)
@@ -659,3 +669,6 @@ def fused_bucketing(model: nn.Module, process_group: dist.ProcessGroup | None = 
         from ..ft import ManagedReducer
         return ManagedReducer(model, manager, process_group, **named, **options)
     return Reducer(model, process_group, **named, **options)
+
+
+_requires_grad = operator.attrgetter("requires_grad")
