@@ -868,6 +868,38 @@ def test_entering_with_a_frozen_parameter_holding_a_grad_warns(dist_run):
         assert len(warned) == 1 and "layers.0.weight" in warned[0], warned
 
 
+def _forward_raises_with_find_unused():
+    """A training forward that raises inside fused_bucketing(find_unused_parameters=True):
+    after leaving, whether the reducer is collected and what the aux-output collectors of
+    the process still hold."""
+    import gc
+    import weakref
+
+    from tribucket import _tags
+
+    rank = dist.get_rank()
+    model = build("mlp")
+    try:
+        with tribucket.fused_bucketing(model, find_unused_parameters=True,
+                                       timeout=TIMEOUT) as reducer:
+            loss_of(model(batch("mlp", rank, 0))).backward()
+            gone = weakref.ref(reducer)
+            model(torch.randn(2, 5))  # the wrong width: the first layer raises
+    except RuntimeError:
+        pass
+    del reducer
+    gc.collect()
+    return gone() is None, len(_tags._AUX_COLLECTORS)
+
+
+def test_a_forward_that_raised_leaves_nothing_behind(dist_run):
+    # before, the forward's aux-output collection stayed registered for the process: the
+    # closed reducer (and its buckets) was never freed, and every later MoE aux_loss was
+    # appended to it
+    for collected, collectors in dist_run(_forward_raises_with_find_unused):
+        assert collected and collectors == 0, (collected, collectors)
+
+
 # ------------------------------------------------------------ dtype or device changed mid-run
 def _retyped_after_entering(change, native_hooks, device="cpu"):
     """Two steps, then the model converted in place (``model.double()``, or

@@ -13,6 +13,8 @@ below, never the attribute names.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 #: set on parameters that are expert-parallel (each rank owns different values):
@@ -48,8 +50,9 @@ def expert_replica_group(param: torch.Tensor):
 
 
 # -- tensors a forward leaves beside its output --------------------------------------------
-# (owner, tensors) of each reducer whose forward is running, the innermost last
-_AUX_COLLECTORS: list[tuple[object, list[torch.Tensor]]] = []
+# (weak reference to the owner, tensors) of each reducer whose forward is running, the
+# innermost last (weak: a reducer dropped without close() leaves no live entry behind)
+_AUX_COLLECTORS: list[tuple[weakref.ref, list[torch.Tensor]]] = []
 
 
 def note_aux_output(t: torch.Tensor) -> None:
@@ -57,21 +60,24 @@ def note_aux_output(t: torch.Tensor) -> None:
     (an MoE layer's ``aux_loss``): every reducer whose forward is running counts it among
     that forward's outputs when it looks for unused parameters."""
     if _AUX_COLLECTORS and isinstance(t, torch.Tensor) and t.requires_grad:
-        for _, tensors in _AUX_COLLECTORS:
-            tensors.append(t)
+        for owner, tensors in _AUX_COLLECTORS:
+            if owner() is not None:
+                tensors.append(t)
 
 
 def collect_aux_outputs(owner: object) -> None:
     """Start collecting for ``owner``'s forward (a collection its last forward left behind,
-    one that raised, is dropped)."""
+    one that raised, is dropped, and so are those of owners that are gone)."""
     stop_aux_outputs(owner)
-    _AUX_COLLECTORS.append((owner, []))
+    _AUX_COLLECTORS[:] = [e for e in _AUX_COLLECTORS if e[0]() is not None]
+    _AUX_COLLECTORS.append((weakref.ref(owner), []))
 
 
 def stop_aux_outputs(owner: object) -> list[torch.Tensor]:
-    """Stop collecting for ``owner``: the tensors noted since :func:`collect_aux_outputs`."""
+    """Stop collecting for ``owner``: the tensors noted since :func:`collect_aux_outputs`
+    (called by its forward's end, and by its reducer's close after a forward that raised)."""
     for i, (o, tensors) in enumerate(_AUX_COLLECTORS):
-        if o is owner:
+        if o() is owner:
             del _AUX_COLLECTORS[i]
             return tensors
     return []

@@ -24,7 +24,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from .. import _exit
 from .._env import describe_backend
-from .._tags import is_expert_parallel
+from .._tags import is_expert_parallel, stop_aux_outputs
 from ..comm import broadcast_coalesced
 from ..config import ReducerConfig, check_process_group
 from ..hooks import _hook_traits
@@ -547,6 +547,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        stop_aux_outputs(self._forward)  # (a forward that raised left its collection open)
         for ref in [*self._hook_refs, *self._bw.grad_hooks]:
             ref.detach()  # graphs still holding a hook no longer reach the reducer
         self._hook_refs.clear()
