@@ -562,6 +562,8 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
             self.trace_path = tracer.close(local=not (e is None and raise_errors and not
                                                       self._guard.failed and not at_exit))
         self._release()
+        if e is None and not interrupted and not at_exit:
+            self._guard.give_back()  # (its groups are idle: the next reducer takes them)
         if e is None:
             return
         message = (f"tribucket (rank {self.rank}): close() finished the communication in "

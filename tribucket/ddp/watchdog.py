@@ -122,6 +122,10 @@ def _dtype_name(code: int) -> str:
     return str(_DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(_DTYPES) else "-"
 
 
+#: dedicated groups closed reducers gave back, per (ranks, backend, kind, timeout)
+_FREE_GROUPS: dict[tuple, list] = {}
+
+
 class CommGuard:
     """Where the reducer's collectives run, and what happens when one fails."""
 
@@ -133,13 +137,11 @@ class CommGuard:
         self.failed = False  # a collective of this reducer failed: the group is unusable
         self.step = 0  # the training step (forwards) the next collectives belong to
         self.group = process_group
+        self._taken: list[tuple[tuple, object]] = []  # (pool key, group): given back at close
         if world_size > 1 and (timeout is not None or debug):
             # debug fingerprints travel on their own group too, so they never interleave with
             # the collectives a comm hook launches from another thread on the user's group
-            kwargs = {"timeout": timeout} if timeout is not None else {}
-            self.group = dist.new_group(dist.get_process_group_ranks(process_group),
-                                        backend=dist.get_backend(process_group),
-                                        use_local_synchronization=True, **kwargs)
+            self.group = self._take_group(process_group, "reducer", timeout)
         self.dedicated = self.group is not process_group
         # global rank of each group rank: progress keys and reports use it, so that reducers
         # on different groups (expert replica groups) never share a key
@@ -151,9 +153,7 @@ class CommGuard:
         # interleave with the reducer's debug fingerprints
         self.hook_group = None
         if world_size > 1 and timeout is not None:
-            self.hook_group = dist.new_group(dist.get_process_group_ranks(process_group),
-                                             backend=dist.get_backend(process_group),
-                                             use_local_synchronization=True, timeout=timeout)
+            self.hook_group = self._take_group(process_group, "hooks", timeout)
         self._store = None
         self._calls: dict[str, tuple[int, str]] = {}  # owner -> (calls entered, the last)
         if timeout is not None and world_size > 1:
@@ -161,6 +161,34 @@ class CommGuard:
                 self._store = dist.distributed_c10d._get_default_store()
             except Exception:  # pragma: no cover - a group without a store
                 self._store = None
+
+    def _take_group(self, process_group, kind: str, timeout):
+        """A dedicated group over ``process_group``'s ranks: a free one a closed reducer gave
+        back, else a new one (a collective over those ranks: every rank takes and gives back
+        in the same order, at construction and close)."""
+        ranks = dist.get_process_group_ranks(process_group)
+        backend = dist.get_backend(process_group)
+        key = (tuple(ranks), backend, kind, timeout)
+        free, live = _FREE_GROUPS.setdefault(key, []), dist.distributed_c10d._world.pg_map
+        while free:
+            group = free.pop()
+            if group in live:  # (not destroyed since: destroy_process_group() drops all)
+                break
+        else:
+            kwargs = {"timeout": timeout} if timeout is not None else {}
+            group = dist.new_group(ranks, backend=backend, use_local_synchronization=True,
+                                   **kwargs)
+        self._taken.append((key, group))
+        return group
+
+    def give_back(self) -> None:
+        """At a clean close (nothing in flight, no collective failed): the dedicated groups go
+        back to the pool for the next reducer, so a sweep of reducers in one process does not
+        create two groups (their sockets and threads) per reducer."""
+        taken, self._taken = self._taken, []
+        if not self.failed:
+            for key, group in taken:
+                _FREE_GROUPS[key].append(group)
 
     def group_arg(self):
         return None if self.group is dist.group.WORLD else self.group
