@@ -1128,3 +1128,28 @@ def test_a_frozen_parameters_state_survives_reentering(dist_run):
     # load_state_dict: unfrozen, AdamW restarted it from step 0 (0.03 from torch's)
     for worst in dist_run(_freeze_and_unfreeze_through_reentering):
         assert worst < 1e-5, worst
+
+
+def _gradient_slices_after_zero_grad():
+    """After step() and zero_grad(): whether any gradient slice of the last backward is
+    still alive."""
+    import gc
+    import weakref
+
+    model = _build()
+    with tribucket.fused_bucketing(model, shard_optimizer=True, bucket_cap_mb=CAP) as red:
+        opt = ShardedOptimizer(red, torch.optim.AdamW, lr=1e-2)
+        for step in range(2):
+            model(_batch(dist.get_rank(), step)).square().mean().backward()
+            slices = [weakref.ref(g) for g in red.grad_shards if g is not None]
+            opt.step()
+            opt.zero_grad()
+        gc.collect()
+        return len(slices), sum(ref() is not None for ref in slices)
+
+
+def test_zero_grad_frees_the_gradient_slices(dist_run):
+    # before, each bucket's finished reduce-scatter kept its slice until the next backward:
+    # 1/world of the gradients held between steps, against the docs' 'no gradients'
+    for made, alive in dist_run(_gradient_slices_after_zero_grad):
+        assert made > 1 and alive == 0, (made, alive)

@@ -147,5 +147,9 @@ class ShardAccess:
         return self._bw.shard_grads.used
 
     def clear_grad_shards(self) -> None:
-        """Drop the gradient slices (``ShardedOptimizer.zero_grad``)."""
+        """Drop the gradient slices (``ShardedOptimizer.zero_grad``), and the finished
+        reduce-scatters that produced them (each holds its slice until the next backward)."""
         self._bw.shard_grads.clear()
+        for bucket in self._bw.buckets:
+            if isinstance(bucket.handle, _ReduceScatter) and bucket.handle.done:
+                bucket.handle = None
