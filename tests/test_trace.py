@@ -333,6 +333,21 @@ def test_single_process_writes_the_given_file(tmp_path):
     assert t["otherData"]["tribucket"]["unfinished"] == {"0": 1}
 
 
+def test_runs_closing_in_the_same_second_get_their_own_files(tmp_path):
+    # before, the file name had a one-second stamp and the pid: three runs of one process
+    # closing within a second wrote one file, each over the last
+    paths = []
+    for run in range(3):
+        tr = Tracer(tmp_path, record_function=False)
+        tr.instant("layout", args={"run": run})
+        paths.append(tr.close())
+    assert len(set(paths)) == 3 and sorted(os.listdir(tmp_path)) == sorted(
+        os.path.basename(p) for p in paths), paths
+    runs = [[e["args"]["run"] for e in trace.load(p)["traceEvents"] if e["name"] == "layout"]
+            for p in paths]
+    assert runs == [[0], [1], [2]], runs
+
+
 def test_max_events_bounds_memory():
     tr = Tracer(None, max_events=3, record_function=False)
     for i in range(5):

@@ -105,8 +105,12 @@ def _file_for(path: str, rank: int | None = None) -> str:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         return path if rank is None else f"{path[:-5]}{own}.json"
     os.makedirs(path, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return os.path.join(path, f"trace-{stamp}-{os.getpid()}{own}.json")
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    name, n = os.path.join(path, f"trace-{stamp}{own}.json"), 1
+    while os.path.exists(name):  # another run of this process closed in the same second
+        n += 1
+        name = os.path.join(path, f"trace-{stamp}-{n}{own}.json")
+    return name
 
 
 def write_run(payload: dict, path: str | None, group=None, local: bool = False) -> str | None:
