@@ -915,6 +915,22 @@ def _a_sweep_of_reducers(options: dict):
     return groups[0], groups[-1], worst
 
 
+def _a_sweep_after_a_failure_on_one_rank():
+    """A reducer whose collective failed on rank 0 (rank 1 stalled before its hook's
+    allreduce, then left the block cleanly, nothing in flight), then a sweep of reducers
+    with the same timeout."""
+    _hook_with_stalled_peer("allreduce")
+    return _a_sweep_of_reducers(dict(timeout=datetime.timedelta(seconds=2.0)))
+
+
+def test_a_sweep_after_a_failure_on_one_rank_agrees_on_its_groups(dist_run):
+    # on the pool's first version, rank 0 dropped its groups (its collective failed) and
+    # rank 1 gave them back: the next reducer reused them on rank 1 and created new ones on
+    # rank 0, and new_group waited until its store timeout ('Wait timeout')
+    for first, last, worst in dist_run(_a_sweep_after_a_failure_on_one_rank, timeout=90):
+        assert last == first and worst < 1e-6, (first, last, worst)
+
+
 @pytest.mark.parametrize("options", [dict(timeout=TIMEOUT), dict(debug=True)],
                          ids=["timeout", "debug"])
 def test_a_sweep_of_reducers_reuses_their_groups(dist_run, options):

@@ -197,16 +197,18 @@ def verify_state_across_ranks(summary: dict, group, world_size: int, fix: str,
 
 
 def verify_across_ranks(view: ModelView, group, world_size: int, config: Any = None,
-                        extra: dict | None = None, problem: str | None = None) -> None:
+                        extra: dict | None = None, problem: str | None = None,
+                        side: Any = None) -> list:
     """Raise the same ``RuntimeError`` on every rank if any rank's model or reducer options
     (and ``extra``: other facts every rank must share) differ from rank 0's (one
     ``all_gather_object``). ``problem``: this rank's reason not to go on (its own
-    ``ValueError`` here, a ``RuntimeError`` naming it on the others), in the same gather."""
+    ``ValueError`` here, a ``RuntimeError`` naming it on the others), in the same gather.
+    ``side``: anything else to gather, not compared; returns every rank's."""
     problem = "; ".join(filter(None, (view.problem, problem))) or None
     if world_size == 1:
         if problem is not None:
             raise ValueError(problem)
-        return
+        return [side]
     if view.problem is not None:  # (no shapes to compare: the problem says why)
         view = dataclasses.replace(view, state_params=[], buffers=[])
     meta = [("parameter", n, tuple(p.shape), tuple(p.stride()), str(p.dtype), p.requires_grad,
@@ -218,10 +220,10 @@ def verify_across_ranks(view: ModelView, group, world_size: int, config: Any = N
         options["ignore_parameters"] = view.ignored
     options.update(extra or {})
     everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, (options, meta, problem), group=group)
+    dist.all_gather_object(everyone, (options, meta, problem, side), group=group)
     if problem is not None:
         raise ValueError(problem)
-    for r, (_, _, theirs) in enumerate(everyone):
+    for r, (_, _, theirs, _) in enumerate(everyone):
         if theirs is not None:
             raise RuntimeError(f"tribucket: rank {r} cannot go on: {theirs}")
     _raise_if_differ([e[0] for e in everyone], "the reducer options",
@@ -250,3 +252,4 @@ def verify_across_ranks(view: ModelView, group, world_size: int, config: Any = N
                 f"{list(a[2])} on rank 0, {list(b[2])} on rank {r}): {'; '.join(diff)}. Build "
                 "the same model on every rank (on one kind of device) before entering "
                 "fused_bucketing.")
+    return [e[3] for e in everyone]

@@ -44,7 +44,7 @@ from .model import expert_replica_sets, inspect_model, module_buffers, verify_ac
 from .shard import ShardAccess
 from .state import ReducerStats
 from .surgery import Watch
-from .watchdog import CommGuard
+from .watchdog import CommGuard, free_groups, groups_to_reuse
 
 __all__ = ["Reducer", "ReducerStats", "fused_bucketing"]
 
@@ -124,12 +124,15 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
             self._native_ext = self._load_native()
             problems = (self._trace_problem(config.trace),
                         _all_ignored(module, view) if _only is None else None)
-            verify_across_ranks(view, self.process_group, self.world_size, config,
-                                self._native_facts(),
-                                "; ".join(filter(None, problems)) or None)
+            every = verify_across_ranks(
+                view, self.process_group, self.world_size, config, self._native_facts(),
+                "; ".join(filter(None, problems)) or None,
+                side=free_groups(self.process_group, self.world_size, config.timeout,
+                                 config.debug))
             # the reducer's own collectives: a group with the timeout, failure diagnosis, debug
             self._guard = CommGuard(self.process_group, self.rank, self.world_size,
-                                    self._device, config.timeout, config.debug)
+                                    self._device, config.timeout, config.debug,
+                                    reuse=groups_to_reuse(every))
             self._broadcast_states(src_rank=0, buffers=config.broadcast_buffers)
         except BaseException:
             release(self, view.params)

@@ -126,11 +126,47 @@ def _dtype_name(code: int) -> str:
 _FREE_GROUPS: dict[tuple, list] = {}
 
 
+def _pool_key(process_group, kind: str, timeout) -> tuple:
+    return (tuple(dist.get_process_group_ranks(process_group)),
+            dist.get_backend(process_group), kind, timeout)
+
+
+def _kinds(world_size: int, timeout, debug: bool) -> tuple:
+    """The dedicated groups a reducer with these options uses."""
+    if world_size == 1:
+        return ()
+    return (("reducer",) if timeout is not None or debug else ()) + \
+        (("hooks",) if timeout is not None else ())
+
+
+def free_groups(process_group, world_size: int, timeout, debug: bool) -> dict:
+    """This rank's free dedicated groups for a reducer with these options: per purpose,
+    their names (gathered with the reducer's first check: see :func:`groups_to_reuse`)."""
+    names = dist.distributed_c10d._world.pg_names
+    live = dist.distributed_c10d._world.pg_map  # (destroy_process_group() empties it)
+    return {kind: sorted(names[g] for g in _FREE_GROUPS.get(
+                _pool_key(process_group, kind, timeout), []) if g in live and g in names)
+            for kind in _kinds(world_size, timeout, debug)}
+
+
+def groups_to_reuse(every: list) -> dict:
+    """From every rank's :func:`free_groups`: per purpose, the name of a free group every
+    rank has (the same group: a group's name is the same on every rank), if any. A rank
+    that dropped its group after a failure the others did not see makes them all create a
+    new one."""
+    reuse = {}
+    for kind in (every[0] or {}):
+        common = set.intersection(*(set((e or {}).get(kind, ())) for e in every))
+        if common:
+            reuse[kind] = min(common)
+    return reuse
+
+
 class CommGuard:
     """Where the reducer's collectives run, and what happens when one fails."""
 
     def __init__(self, process_group, rank: int, world_size: int, device: torch.device,
-                 timeout: datetime.timedelta | None, debug: bool):
+                 timeout: datetime.timedelta | None, debug: bool, reuse: dict | None = None):
         self.rank, self.world_size, self.device = rank, world_size, device
         self.timeout, self.debug = timeout, debug
         self.seq = next(_REDUCER_SEQ)
@@ -138,6 +174,7 @@ class CommGuard:
         self.step = 0  # the training step (forwards) the next collectives belong to
         self.group = process_group
         self._taken: list[tuple[tuple, object]] = []  # (pool key, group): given back at close
+        self._reuse = reuse or {}  # purpose -> the name of the free group every rank has
         if world_size > 1 and (timeout is not None or debug):
             # debug fingerprints travel on their own group too, so they never interleave with
             # the collectives a comm hook launches from another thread on the user's group
@@ -163,21 +200,20 @@ class CommGuard:
                 self._store = None
 
     def _take_group(self, process_group, kind: str, timeout):
-        """A dedicated group over ``process_group``'s ranks: a free one a closed reducer gave
-        back, else a new one (a collective over those ranks: every rank takes and gives back
-        in the same order, at construction and close)."""
-        ranks = dist.get_process_group_ranks(process_group)
-        backend = dist.get_backend(process_group)
-        key = (tuple(ranks), backend, kind, timeout)
-        free, live = _FREE_GROUPS.setdefault(key, []), dist.distributed_c10d._world.pg_map
-        while free:
-            group = free.pop()
-            if group in live:  # (not destroyed since: destroy_process_group() drops all)
-                break
+        """A dedicated group over ``process_group``'s ranks: the free one every rank has
+        (``reuse``: agreed by name in the reducer's first gather), else a new one (a
+        collective over those ranks)."""
+        key = _pool_key(process_group, kind, timeout)
+        free, name = _FREE_GROUPS.setdefault(key, []), self._reuse.get(kind)
+        names = dist.distributed_c10d._world.pg_names
+        group = next((g for g in free if names.get(g) == name), None) if name else None
+        if group is not None:
+            free.remove(group)
         else:
             kwargs = {"timeout": timeout} if timeout is not None else {}
-            group = dist.new_group(ranks, backend=backend, use_local_synchronization=True,
-                                   **kwargs)
+            group = dist.new_group(dist.get_process_group_ranks(process_group),
+                                   backend=dist.get_backend(process_group),
+                                   use_local_synchronization=True, **kwargs)
         self._taken.append((key, group))
         return group
 
