@@ -24,7 +24,7 @@ _INSTALLED = False
 class Watch:
     """The registration watch on one model, from entering to ``remove()`` (the close)."""
 
-    __slots__ = ("known", "trained", "changes", "modules", "__weakref__")
+    __slots__ = ("known", "trained", "changes", "__weakref__")
 
     def __init__(self, model: nn.Module):
         global _INSTALLED
@@ -36,15 +36,12 @@ class Watch:
         self.known = frozenset(map(id, params))  # every parameter on entering
         self.trained = frozenset(id(p) for p in params if p.requires_grad)
         self.changes: list[str] = []  # what was set since entering
-        self.modules = [m for _, m in model.named_modules()]
-        for name, m in model.named_modules():
+        for name, m in model.named_modules():  # (weakly: the model is the user's to drop)
             _OWNERS[m] = (self, name)
 
     def remove(self) -> None:
-        for m in self.modules:
-            if _OWNERS.get(m, (None,))[0] is self:
-                del _OWNERS[m]
-        self.modules = []
+        for m in [m for m, (watch, _) in list(_OWNERS.items()) if watch is self]:
+            _OWNERS.pop(m, None)
 
     def _new(self, tensors) -> bool:
         """Whether any of ``tensors`` is a parameter that trains and was not in the model."""
