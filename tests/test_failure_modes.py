@@ -770,13 +770,14 @@ def _model_changed_after_entering(change):
     difference between the ranks after entering again)``."""
     rank = dist.get_rank()
     model = build("mlp")
+    ignore = ("head.weight", "head.bias") if change == "ignored_head" else ()
     with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, find_unused_parameters=True,
-                                   timeout=TIMEOUT):
+                                   timeout=TIMEOUT, ignore_parameters=ignore):
         for step in range(2):
             model.zero_grad()
             loss_of(model(batch("mlp", rank, step))).backward()
         torch.manual_seed(7)  # the same new weights on every rank
-        if change == "head":
+        if change in ("head", "ignored_head"):
             model.head = torch.nn.Linear(16, 3)
         elif change == "weight":
             model.layers[0].weight = torch.nn.Parameter(torch.randn(16, 16) / 4)
@@ -801,12 +802,14 @@ def _model_changed_after_entering(change):
 @pytest.mark.parametrize("change,named", [("head", "submodule 'head'"),
                                           ("weight", "parameter 'layers.0.weight'"),
                                           ("adapter", "submodule 'layers.0.lora'"),
-                                          ("retied", None), ("frozen_layer", None)])
+                                          ("retied", None), ("frozen_layer", None),
+                                          ("ignored_head", None)])
 def test_parameters_set_after_entering_are_named(dist_run, change, named):
     """A head replaced or an adapter added inside the block would train on each rank's own
     gradient (DDP's models drift apart, silently): the next training forward raises on every
-    rank, naming it. Setting a parameter the reducer already averages, or a frozen layer, is
-    no change to what is averaged."""
+    rank, naming it. Setting a parameter the reducer already averages, a frozen layer, or a
+    module where ignore_parameters leaves the parameters out (each rank trains it alone, as
+    DDP's test_ddp_ignore_params_arg does) is no change to what is averaged."""
     for kind, message, spread in dist_run(_model_changed_after_entering, change):
         if named is None:
             assert kind == "ok", message

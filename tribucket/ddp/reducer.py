@@ -166,7 +166,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         self._forward.frozen = view.frozen
         self._attach()
         if _only is None:  # (the expert replicas' reducers: the model's is this one's)
-            self._forward.watch = Watch(module)
+            self._forward.watch = Watch(module, frozenset(view.ignored))
             self._handles.append(self._forward.watch)  # (close removes it)
         #: reducers averaging expert replicas over their replica groups (expert x data
         #: parallelism), one per replica group, built with this reducer's options; never

@@ -24,17 +24,20 @@ _INSTALLED = False
 class Watch:
     """The registration watch on one model, from entering to ``remove()`` (the close)."""
 
-    __slots__ = ("known", "trained", "changes", "__weakref__")
+    __slots__ = ("known", "trained", "ignored", "changes", "__weakref__")
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, ignored: frozenset = frozenset()):
         global _INSTALLED
         if not _INSTALLED:  # once per process: a dictionary lookup per registration
             _module.register_module_parameter_registration_hook(_on_parameter)
             _module.register_module_module_registration_hook(_on_module)
             _INSTALLED = True
-        params = list(model.parameters())
-        self.known = frozenset(map(id, params))  # every parameter on entering
-        self.trained = frozenset(id(p) for p in params if p.requires_grad)
+        named = list(model.named_parameters())
+        self.known = frozenset(id(p) for _, p in named)  # every parameter on entering
+        self.trained = frozenset(id(p) for n, p in named if p.requires_grad and n not in ignored)
+        # names ignore_parameters leaves out: a parameter set there trains on each rank
+        # alone by design (DDP's test_ddp_ignore_params_arg materialises a module there)
+        self.ignored = ignored
         self.changes: list[str] = []  # what was set since entering
         for name, m in model.named_modules():  # (weakly: the model is the user's to drop)
             _OWNERS[m] = (self, name)
@@ -43,9 +46,11 @@ class Watch:
         for m in [m for m, (watch, _) in list(_OWNERS.items()) if watch is self]:
             _OWNERS.pop(m, None)
 
-    def _new(self, tensors) -> bool:
-        """Whether any of ``tensors`` is a parameter that trains and was not in the model."""
-        return any(t.requires_grad and id(t) not in self.known for t in tensors)
+    def _new(self, named) -> bool:
+        """Whether any of ``named`` (qualified name, parameter) trains, was not in the model,
+        and is not where ``ignore_parameters`` leaves parameters out."""
+        return any(t.requires_grad and id(t) not in self.known and n not in self.ignored
+                   for n, t in named)
 
     def _lost(self, old, new) -> bool:
         """Whether a parameter that trained on entering leaves with ``old`` for ``new``."""
@@ -54,12 +59,13 @@ class Watch:
 
 
 def _on_parameter(module: nn.Module, name: str, param) -> None:
-    _record(module, name, module._parameters, param, lambda: [] if param is None else [param],
-            "parameter")
+    _record(module, name, module._parameters, param,
+            lambda full: [] if param is None else [(full, param)], "parameter")
 
 
 def _on_module(module: nn.Module, name: str, sub: nn.Module) -> None:
-    _record(module, name, module._modules, sub, lambda: list(sub.parameters()),
+    _record(module, name, module._modules, sub,
+            lambda full: [(f"{full}.{n}", p) for n, p in sub.named_parameters()],
             f"submodule ({type(sub).__name__})")
 
 
@@ -74,11 +80,11 @@ def _record(module: nn.Module, name: str, where: dict, value, new_params, kind: 
     old = where.get(name)
     if value is old:
         return None
-    new = new_params()
+    full = f"{prefix}.{name}" if prefix else name
+    new = new_params(full)
     lost = [] if old is None else [old] if isinstance(old, nn.Parameter) else list(old.parameters())
-    if watch._new(new) or watch._lost(lost, new):
+    if watch._new(new) or watch._lost(lost, [t for _, t in new]):
         what, _, detail = kind.partition(" ")
-        full = f"{prefix}.{name}" if prefix else name
         watch.changes.append(f"{what} {full!r}" + (f" {detail}" if detail else ""))
     return None
 
