@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import sys
 import time
 import weakref
 from typing import Any
@@ -120,6 +121,9 @@ def settle() -> None:
         except Exception:
             pass
     del owners
+    watchdog = sys.modules.get("tribucket.ddp.watchdog")
+    if watchdog is not None:  # the free dedicated groups, while the GIL can be taken
+        watchdog._FREE_GROUPS.clear()
     gc.collect()
     _let_gloo_workers_finish()
 

@@ -144,8 +144,10 @@ def free_groups(process_group, world_size: int, timeout, debug: bool) -> dict:
     their names (gathered with the reducer's first check: see :func:`groups_to_reuse`)."""
     names = dist.distributed_c10d._world.pg_names
     live = dist.distributed_c10d._world.pg_map  # (destroy_process_group() empties it)
+    for free in _FREE_GROUPS.values():  # a destroyed group is not kept alive here
+        free[:] = [g for g in free if g in live and g in names]
     return {kind: sorted(names[g] for g in _FREE_GROUPS.get(
-                _pool_key(process_group, kind, timeout), []) if g in live and g in names)
+                _pool_key(process_group, kind, timeout), []))
             for kind in _kinds(world_size, timeout, debug)}
 
 
