@@ -785,6 +785,19 @@ def _model_changed_after_entering(change):
             model.layers[0].lora = torch.nn.Linear(16, 16, bias=False)
         elif change == "retied":
             model.layers[0].weight = model.layers[0].weight
+        elif change == "swapped":  # the same set trains
+            a, b = model.layers[0], model.layers[1]
+            a.weight, b.weight = b.weight, a.weight
+        elif change == "container_filled":  # set empty, then filled (as adapter libraries do)
+            model.layers[0].adapters = torch.nn.ModuleDict()
+            model.layers[0].adapters["a"] = torch.nn.Linear(16, 16)
+        elif change == "frozen_then_unfrozen":  # added frozen (no change), a step, unfrozen
+            model.layers[0].extra = torch.nn.Linear(16, 16).requires_grad_(False)
+            loss_of(model(batch("mlp", rank, 2))).backward()
+            model.layers[0].extra.requires_grad_(True)
+        elif change == "set_none":
+            model.layers[0].drop = torch.nn.Dropout(0.0)
+            model.layers[0].drop = None
         else:  # a frozen layer: nothing to average
             model.layers[0].extra = torch.nn.Linear(16, 16).requires_grad_(False)
         model.zero_grad()
@@ -799,11 +812,14 @@ def _model_changed_after_entering(change):
     return kind, message, max((g - grads).abs().max().item() for g in every)
 
 
-@pytest.mark.parametrize("change,named", [("head", "submodule 'head'"),
-                                          ("weight", "parameter 'layers.0.weight'"),
-                                          ("adapter", "submodule 'layers.0.lora'"),
-                                          ("retied", None), ("frozen_layer", None),
-                                          ("ignored_head", None)])
+@pytest.mark.parametrize("change,named", [
+    ("head", "replaced 'head.weight', 'head.bias'"),
+    ("weight", "replaced 'layers.0.weight'"),
+    ("adapter", "added 'layers.0.lora.weight'"),
+    ("container_filled", "added 'layers.0.adapters.a.weight', 'layers.0.adapters.a.bias'"),
+    ("frozen_then_unfrozen", "layers.0.extra.weight, layers.0.extra.bias"),
+    ("retied", None), ("swapped", None), ("set_none", None), ("frozen_layer", None),
+    ("ignored_head", None)])
 def test_parameters_set_after_entering_are_named(dist_run, change, named):
     """A head replaced or an adapter added inside the block would train on each rank's own
     gradient (DDP's models drift apart, silently): the next training forward raises on every
@@ -816,6 +832,8 @@ def test_parameters_set_after_entering_are_named(dist_run, change, named):
         else:
             assert kind == "error", f"{change}: no error"
             assert named in message and "enter it again" in message, message
+            if change == "frozen_then_unfrozen":  # (the unfreezing error)
+                assert "require it now" in message, message
         assert spread < 1e-6, f"{change}: after entering again the ranks' gradients differ"
 
 

@@ -76,8 +76,10 @@ class Forward:
             return
         if bw.pass_ is not None and torch._C._current_graph_task_id() == -1:
             bw.settle_abandoned()  # outside any backward: the last one raised
-        if self.watch is not None and self.watch.changes:  # (a new head, adapters...)
-            raise RuntimeError(changed_error(self.watch.changes))
+        watch = self.watch
+        if watch is not None and (watch.touched or watch.changes):  # (a new head, adapters)
+            if changes := watch.check():
+                raise RuntimeError(changed_error(changes))
         if self.frozen and any(p.requires_grad for _, p in self.frozen):
             # (before this forward's collectives: every rank that unfroze raises here)
             raise RuntimeError(unfrozen_error([n for n, p in self.frozen if p.requires_grad]))

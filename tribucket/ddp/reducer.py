@@ -166,7 +166,7 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         self._forward.frozen = view.frozen
         self._attach()
         if _only is None:  # (the expert replicas' reducers: the model's is this one's)
-            self._forward.watch = Watch(module, frozenset(view.ignored))
+            self._forward.watch = Watch(module, view.frozen, frozenset(view.ignored))
             self._handles.append(self._forward.watch)  # (close removes it)
         #: reducers averaging expert replicas over their replica groups (expert x data
         #: parallelism), one per replica group, built with this reducer's options; never
@@ -237,8 +237,8 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         """Whether what the model trains changed since entering: a parameter frozen then
         requires grad, an averaged one does not, or a parameter or submodule was set (a new
         reducer would average another set)."""
-        forward = self._forward
-        return bool((forward.watch is not None and forward.watch.changes)
+        forward, watch = self._forward, self._forward.watch
+        return bool((watch is not None and (watch.touched or watch.changes) and watch.check())
                     or any(p.requires_grad for _, p in forward.frozen)
                     or not all(map(_requires_grad, self._params)))
 

@@ -4,8 +4,11 @@ LoRA adapters inserted, ``layer.weight = nn.Parameter(...)``).
 The reducer averages the parameters the model held on entering. A parameter that starts to
 train later would train on each rank's own gradient (torch DDP lets it, silently), and one
 that left would be waited for. torch's global registration hooks (fired when a module or a
-parameter is assigned to a module, never per step) record such a change on a model being
-averaged; the next training forward names it, before any collective."""
+parameter is assigned to a module, never per step) mark a watched model as touched; the next
+training forward then compares the model's parameters with the reducer's, once, and names
+what changed, before any collective. Writes into a module's ``_modules`` or ``_parameters``
+dictionaries themselves (``nn.Sequential.insert``, ``nn.ModuleList.insert``) bypass those
+hooks and are not seen."""
 
 from __future__ import annotations
 
@@ -22,81 +25,82 @@ _INSTALLED = False
 
 
 class Watch:
-    """The registration watch on one model, from entering to ``remove()`` (the close)."""
+    """The registration watch on one model, from entering to ``remove()`` (the close).
 
-    __slots__ = ("known", "trained", "ignored", "changes", "__weakref__")
+    ``frozen``: the reducer's list of (name, parameter) that did not require grad on
+    entering, whose unfreezing the forward refuses; a frozen parameter added since joins it.
+    ``ignored``: the names ``ignore_parameters`` leaves out (a parameter set there trains on
+    each rank alone by design, as DDP's ``test_ddp_ignore_params_arg`` materialises one)."""
 
-    def __init__(self, model: nn.Module, ignored: frozenset = frozenset()):
+    __slots__ = ("model", "known", "trained", "ignored", "frozen", "touched", "changes",
+                 "__weakref__")
+
+    def __init__(self, model: nn.Module, frozen: list, ignored: frozenset = frozenset()):
         global _INSTALLED
         if not _INSTALLED:  # once per process: a dictionary lookup per registration
-            _module.register_module_parameter_registration_hook(_on_parameter)
-            _module.register_module_module_registration_hook(_on_module)
+            _module.register_module_parameter_registration_hook(_touched)
+            _module.register_module_module_registration_hook(_touched)
             _INSTALLED = True
         named = list(model.named_parameters())
+        self.model = weakref.ref(model)  # (the model is the user's to drop)
         self.known = frozenset(id(p) for _, p in named)  # every parameter on entering
-        self.trained = frozenset(id(p) for n, p in named if p.requires_grad and n not in ignored)
-        # names ignore_parameters leaves out: a parameter set there trains on each rank
-        # alone by design (DDP's test_ddp_ignore_params_arg materialises a module there)
-        self.ignored = ignored
-        self.changes: list[str] = []  # what was set since entering
-        for name, m in model.named_modules():  # (weakly: the model is the user's to drop)
+        self.trained = {id(p): n for n, p in named if p.requires_grad and n not in ignored}
+        self.ignored, self.frozen = ignored, frozen
+        self.touched = False  # a module or parameter was set on the model since the check
+        self.changes: list[str] = []  # what the last check found
+        self._own(model)
+
+    def _own(self, model: nn.Module) -> None:
+        for name, m in model.named_modules():  # (those set since too: a container filled)
             _OWNERS[m] = (self, name)
+
+    def check(self) -> list[str]:
+        """Compare the model's parameters with those on entering (after a registration):
+        new ones that train, and averaged ones no longer in the model."""
+        self.touched = False
+        model = self.model()
+        if model is None:
+            return self.changes
+        named = list(model.named_parameters())
+        here = {id(p) for _, p in named}
+        new = [n for n, p in named if p.requires_grad and id(p) not in self.known
+               and n not in self.ignored]
+        gone = [n for i, n in self.trained.items() if i not in here]
+        listed = {id(p) for _, p in self.frozen}
+        self.frozen += [(n, p) for n, p in named if not p.requires_grad
+                        and id(p) not in self.known and id(p) not in listed]
+        replaced = [n for n in new if n in gone]
+        self.changes = ([f"replaced {_listed(replaced)}"] if replaced else []) + (
+            [f"added {_listed([n for n in new if n not in replaced])}"]
+            if len(new) > len(replaced) else []) + (
+            [f"removed {_listed([n for n in gone if n not in replaced])}"]
+            if len(gone) > len(replaced) else [])
+        self._own(model)
+        return self.changes
 
     def remove(self) -> None:
         for m in [m for m, (watch, _) in list(_OWNERS.items()) if watch is self]:
             _OWNERS.pop(m, None)
 
-    def _new(self, named) -> bool:
-        """Whether any of ``named`` (qualified name, parameter) trains, was not in the model,
-        and is not where ``ignore_parameters`` leaves parameters out."""
-        return any(t.requires_grad and id(t) not in self.known and n not in self.ignored
-                   for n, t in named)
 
-    def _lost(self, old, new) -> bool:
-        """Whether a parameter that trained on entering leaves with ``old`` for ``new``."""
-        kept = set(map(id, new))
-        return any(id(t) in self.trained and id(t) not in kept for t in old)
-
-
-def _on_parameter(module: nn.Module, name: str, param) -> None:
-    _record(module, name, module._parameters, param,
-            lambda full: [] if param is None else [(full, param)], "parameter")
-
-
-def _on_module(module: nn.Module, name: str, sub: nn.Module) -> None:
-    _record(module, name, module._modules, sub,
-            lambda full: [(f"{full}.{n}", p) for n, p in sub.named_parameters()],
-            f"submodule ({type(sub).__name__})")
-
-
-def _record(module: nn.Module, name: str, where: dict, value, new_params, kind: str) -> None:
-    """``value`` is being set as ``module.<name>`` (``where``: the module's dictionary of its
-    kind): record it on the watch of the model ``module`` belongs to, if it changes what the
-    reducer averages."""
+def _touched(module: nn.Module, name: str, value) -> None:
     entry = _OWNERS.get(module)
-    if entry is None:
-        return None
-    watch, prefix = entry
-    old = where.get(name)
-    if value is old:
-        return None
-    full = f"{prefix}.{name}" if prefix else name
-    new = new_params(full)
-    lost = [] if old is None else [old] if isinstance(old, nn.Parameter) else list(old.parameters())
-    if watch._new(new) or watch._lost(lost, [t for _, t in new]):
-        what, _, detail = kind.partition(" ")
-        watch.changes.append(f"{what} {full!r}" + (f" {detail}" if detail else ""))
+    if entry is not None:
+        entry[0].touched = True
     return None
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:8]) + (
+        f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
 def changed_error(changes: list[str]) -> str:
     """The error of a training forward after the model's parameters changed since entering."""
-    shown = ", ".join(changes[:6]) + (f" and {len(changes) - 6} more" if len(changes) > 6 else "")
     return ("tribucket: the model's parameters changed after fused_bucketing was entered: "
-            f"{shown} was set. The reducer averages the parameters the model held on entering, "
-            "so a new one would train on each rank's own gradient and the ranks' models would "
-            "drift apart (torch DDP lets them, silently), and one replaced would be waited for "
-            "in vain. Change the model (a new head, adapters, a replaced weight) outside the "
-            "block: leave fused_bucketing and enter it again (or build a new "
+            f"{'; '.join(changes)}. The reducer averages the parameters the model held on "
+            "entering, so a new one would train on each rank's own gradient and the ranks' "
+            "models would drift apart (torch DDP lets them, silently), and one gone would be "
+            "waited for in vain. Change the model (a new head, adapters, a replaced weight) "
+            "outside the block: leave fused_bucketing and enter it again (or build a new "
             "DistributedDataParallel), and build the optimizer for the new parameters.")
-
