@@ -859,9 +859,10 @@ def test_a_static_graph_that_changed_says_so(dist_run):
         assert "find_unused_parameters=True instead of static_graph" in message, message
 
 
-def _frozen_between_blocks_with_a_local_grad():
-    """A no_sync micro-batch in one block, the first layer frozen, the synchronising
-    micro-batch in a new block: what the reducer logged on entering."""
+def _frozen_between_blocks_with_a_local_grad(zeroed: bool = False):
+    """A no_sync micro-batch in one block (``zeroed``: then zero_grad(set_to_none=False)),
+    the first layer frozen, the synchronising micro-batch in a new block: what the reducer
+    logged on entering."""
     import logging
 
     rank = dist.get_rank()
@@ -874,6 +875,8 @@ def _frozen_between_blocks_with_a_local_grad():
         with tribucket.fused_bucketing(model, timeout=TIMEOUT) as reducer:
             with reducer.no_sync():
                 loss_of(model(batch("mlp", rank, 0))).backward()
+        if zeroed:
+            model.zero_grad(set_to_none=False)
         model.layers[0].requires_grad_(False)
         with tribucket.fused_bucketing(model, timeout=TIMEOUT):
             loss_of(model(batch("mlp", rank, 1))).backward()
@@ -887,6 +890,9 @@ def test_entering_with_a_frozen_parameter_holding_a_grad_warns(dist_run):
     # (an optimizer then steps each rank's own; DDP is silent too)
     for warned in dist_run(_frozen_between_blocks_with_a_local_grad):
         assert len(warned) == 1 and "layers.0.weight" in warned[0], warned
+    # zeros (zero_grad(set_to_none=False)) are the same on every rank: no warning
+    for warned in dist_run(_frozen_between_blocks_with_a_local_grad, True):
+        assert warned == [], warned
 
 
 def _forward_raises_with_find_unused():
