@@ -30,6 +30,7 @@ Lightning is imported here only; ``import tribucket`` does not need it.
 from __future__ import annotations
 
 import contextlib
+import logging
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
@@ -62,6 +63,8 @@ from .clip import clip_grad_norm_
 from .config import ReducerConfig
 from .ddp import Reducer
 from .ddp.resume import own_entries
+
+_logger = logging.getLogger("tribucket")
 
 __all__ = ["FusedBucketingStrategy", "FusedBucketingFabricStrategy", "CHECKPOINT_KEY"]
 
@@ -182,6 +185,37 @@ def _reducer(wrapper: _Wrapper, process_group, hook, hook_state, options: dict) 
     return reducer
 
 
+def _average_pending(params: list, group) -> None:
+    """At a rebuild in an accumulation window (a layer frozen between two micro-batches):
+    the parameters leaving the averaged set keep the gradient of the window's ``no_sync``
+    micro-batches, which the new reducer will not average; average it now, as DDP's reducer
+    does at the window's end (a parameter no rank has a gradient for keeps none)."""
+    if not params or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    had = [p.grad is not None for p in params]
+    flat = torch.cat([(p.grad if h else torch.zeros_like(p)).reshape(-1).float()
+                      for p, h in zip(params, had)] +
+                     [torch.tensor(had, dtype=torch.float32, device=params[0].device)])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    used, offset = flat[-len(params):].tolist(), 0
+    for p, u in zip(params, used):
+        n = p.numel()
+        if u > 0:
+            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
+        offset += n
+
+
+def _fresh_hook_memory(state: Any) -> None:
+    """A rebuild lays out other buckets: torch's PowerSGD keeps its error feedback and
+    low-rank factors per bucket index, sized for the old ones; it starts them again, as a
+    new ``PowerSGDState`` would (its iteration count kept)."""
+    for name in ("error_dict", "p_memory_dict", "q_memory_dict"):
+        memory = getattr(state, name, None)
+        if isinstance(memory, dict):
+            memory.clear()
+
+
 def _fused_scaler(scaler: torch.amp.GradScaler, device: str) -> torch.amp.GradScaler:
     """A :class:`tribucket.amp.GradScaler` in place of torch's (same settings and state);
     another scaler class (a user's own) is kept."""
@@ -271,8 +305,11 @@ class FusedBucketingStrategy(_PLDDPStrategy):
         self.model, self.reducer = _attach(self.model, None, self._hook, self._hook_state,
                                            self._options)
         if self._restored is not None:
-            self.reducer.load_state_dict(self._restored)
-            self._restored = None
+            try:
+                self.reducer.load_state_dict(self._restored)
+                self._restored = None
+            except ValueError:  # saved after a rebuild for another trainable set (a
+                pass  # backbone BaseFinetuning unfroze): loaded at the first batch instead
 
     def _register_ddp_hooks(self) -> None:
         pass  # the comm hook is registered with the reducer in configure_ddp
@@ -285,9 +322,24 @@ class FusedBucketingStrategy(_PLDDPStrategy):
         reducer = self.reducer
         if reducer is not None and reducer._trains_another_set():
             wrapper = self.model
+            leaving = reducer._leaving()
             reducer.close()
             self.reducer = None
+            _average_pending(leaving, reducer.process_group)
+            _fresh_hook_memory(self._hook_state)
             self.reducer = _reducer(wrapper, None, self._hook, self._hook_state, self._options)
+        if self._restored is not None and self.reducer is not None:
+            restored, self._restored = self._restored, None
+            try:
+                self.reducer.load_state_dict(restored)
+            except ValueError as e:
+                if "for other parameters" not in str(e):
+                    raise
+                # (BaseFinetuning does not unfreeze again on resume: the checkpoint's
+                # reducer was for another trainable set, as DDP's buckets would be)
+                _logger.warning("tribucket: the checkpoint's reducer state is for another "
+                                "set of trainable parameters (%s); the reducer starts "
+                                "afresh (its buckets and hook state are rebuilt)", e)
         super().on_train_batch_start(batch, batch_idx)
 
     @contextlib.contextmanager

@@ -243,6 +243,15 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
                     or any(p.requires_grad for _, p in forward.frozen)
                     or not all(map(_requires_grad, self._params)))
 
+    def _leaving(self) -> list:
+        """The averaged parameters that a new reducer would not average (frozen, or no
+        longer in the model), every rank the same list (Lightning's rebuild)."""
+        watch = self._forward.watch
+        model = None if watch is None else watch.model()
+        here = None if model is None else {id(p) for p in model.parameters()}
+        return [p for p in self._params
+                if not p.requires_grad or (here is not None and id(p) not in here)]
+
     def _use_native(self, ext) -> None:
         self._bw.native = native.NativeHooks(ext, self._params, self._bw)
         self._handles.append(self._bw.native)  # remove() takes its hooks off
