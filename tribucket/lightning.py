@@ -185,25 +185,28 @@ def _reducer(wrapper: _Wrapper, process_group, hook, hook_state, options: dict) 
     return reducer
 
 
-def _average_pending(params: list, group) -> None:
+def _average_pending(params: list, group) -> list:
     """At a rebuild in an accumulation window (a layer frozen between two micro-batches):
     the parameters leaving the averaged set keep the gradient of the window's ``no_sync``
     micro-batches, which the new reducer will not average; average it now, as DDP's reducer
-    does at the window's end (a parameter no rank has a gradient for keeps none)."""
+    does at the window's end (a parameter no rank has a gradient for keeps none). Returns
+    (parameter, averaged gradient) for the caller to set; their ``.grad`` is None here."""
     if not params or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
+        return []
     had = [p.grad is not None for p in params]
     flat = torch.cat([(p.grad if h else torch.zeros_like(p)).reshape(-1).float()
                       for p, h in zip(params, had)] +
                      [torch.tensor(had, dtype=torch.float32, device=params[0].device)])
     dist.all_reduce(flat, group=group)
     flat /= dist.get_world_size(group)
-    used, offset = flat[-len(params):].tolist(), 0
+    used, offset, averaged = flat[-len(params):].tolist(), 0, []
     for p, u in zip(params, used):
         n = p.numel()
+        p.grad = None
         if u > 0:
-            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
+            averaged.append((p, flat[offset:offset + n].view_as(p).to(p.dtype)))
         offset += n
+    return averaged
 
 
 def _fresh_hook_memory(state: Any) -> None:
@@ -325,9 +328,11 @@ class FusedBucketingStrategy(_PLDDPStrategy):
             leaving = reducer._leaving()
             reducer.close()
             self.reducer = None
-            _average_pending(leaving, reducer.process_group)
+            averaged = _average_pending(leaving, reducer.process_group)
             _fresh_hook_memory(self._hook_state)
             self.reducer = _reducer(wrapper, None, self._hook, self._hook_state, self._options)
+            for p, grad in averaged:  # (after entering: the new reducer sees no stale .grad)
+                p.grad = grad
         if self._restored is not None and self.reducer is not None:
             restored, self._restored = self._restored, None
             try:

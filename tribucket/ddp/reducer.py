@@ -108,8 +108,8 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
                                  functools.partial(module_buffers, module, ignored))
         self._names, self._params = view.names, view.params
         self._device = view.device
-        if stale := [n for n, p in view.frozen  # (zeros: zero_grad(set_to_none=False))
-                     if p.grad is not None and bool(p.grad.any())]:
+        if self.world_size > 1 and (stale := [  # (zeros: zero_grad(set_to_none=False))
+                n for n, p in view.frozen if p.grad is not None and bool(p.grad.any())]):
             logger.warning(
                 "tribucket: %d parameter(s) do not require grad but hold a .grad (%s), from "
                 "a backward before fused_bucketing was entered (a no_sync micro-batch before "
