@@ -28,6 +28,7 @@ imported torch (:func:`_context`).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import importlib
@@ -109,6 +110,27 @@ _CALL: dict = {}
 
 def _returned(call_id: int, rank: int) -> str:
     return os.path.join(_CALL["dir"], f"returned.{call_id}.{rank}")
+
+
+@contextlib.contextmanager
+def tribucket_log(level: int | None = None):
+    """The messages the ``tribucket`` logger emits inside the block (a list, filled as they
+    come); ``level``: the logger's level inside the block."""
+    import logging
+
+    logged: list[str] = []
+    log = logging.getLogger("tribucket")
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    before = log.level
+    log.addHandler(handler)
+    if level is not None:
+        log.setLevel(level)
+    try:
+        yield logged
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(before)
 
 
 def stall_until_the_others_return(max_s: float) -> float:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import tribucket
 from tribucket import hooks
 from tribucket.ddp.native import NO_NATIVE
-from _dist import stall_until_the_others_return
+from _dist import stall_until_the_others_return, tribucket_log
 from models import batch, build, loss_of
 
 TIMEOUT = datetime.timedelta(seconds=4)
@@ -863,15 +863,9 @@ def _frozen_between_blocks_with_a_local_grad(zeroed: bool = False):
     """A no_sync micro-batch in one block (``zeroed``: then zero_grad(set_to_none=False)),
     the first layer frozen, the synchronising micro-batch in a new block: what the reducer
     logged on entering."""
-    import logging
-
     rank = dist.get_rank()
     model = build("mlp")
-    logged = []
-    handler = logging.Handler()
-    handler.emit = lambda record: logged.append(record.getMessage())
-    logging.getLogger("tribucket").addHandler(handler)
-    try:
+    with tribucket_log() as logged:
         with tribucket.fused_bucketing(model, timeout=TIMEOUT) as reducer:
             with reducer.no_sync():
                 loss_of(model(batch("mlp", rank, 0))).backward()
@@ -880,8 +874,6 @@ def _frozen_between_blocks_with_a_local_grad(zeroed: bool = False):
         model.layers[0].requires_grad_(False)
         with tribucket.fused_bucketing(model, timeout=TIMEOUT):
             loss_of(model(batch("mlp", rank, 1))).backward()
-    finally:
-        logging.getLogger("tribucket").removeHandler(handler)
     return [m for m in logged if "do not require grad but hold a .grad" in m]
 
 

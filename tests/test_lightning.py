@@ -523,13 +523,10 @@ def _frozen_inside_a_window() -> dict:
     """A layer frozen between two micro-batches of a window: under the strategy (which
     builds a new reducer there) against DDP with find_unused_parameters (whose reducer
     averages the window's gradient of the frozen layer)."""
-    import logging
+    from _dist import tribucket_log
 
-    out, logged = {}, []
-    handler = logging.Handler()
-    handler.emit = lambda record: logged.append(record.getMessage())
-    logging.getLogger("tribucket").addHandler(handler)
-    try:
+    out = {}
+    with tribucket_log() as logged:
         for name in ("tribucket", "ddp_find_unused_parameters_true"):
             L.seed_everything(1, verbose=False)
             model = _FinetuneNet()
@@ -537,8 +534,6 @@ def _frozen_inside_a_window() -> dict:
                 _trainer(name, tmp, accumulate_grad_batches=2,
                          callbacks=[_FreezeMidWindow()]).fit(model, _loader())
             out[name] = model
-    finally:
-        logging.getLogger("tribucket").removeHandler(handler)
     _assert_same(out["tribucket"], out["ddp_find_unused_parameters_true"], "frozen mid-window",
                  buffers=False)
     # the strategy averaged the window's gradient itself: no warning about a stale one

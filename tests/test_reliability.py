@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tribucket
 from tribucket import hooks
-from _dist import stall_until_the_others_return
+from _dist import stall_until_the_others_return, tribucket_log
 from models import batch, build, loss_of
 from test_reducer import _parity, assert_states_equal
 
@@ -177,30 +177,23 @@ def test_peer_failure_raises_instead_of_hanging(dist_run, mode):
 # ---------------------------------------------------------------- divergence detection
 def _diverged(kind):
     """The error, and what close() logged after it (nothing: the group is given up)."""
-    import logging
-
     rank = dist.get_rank()
     model = build("mlp")
-    logged = []
-    handler = logging.Handler()
-    handler.emit = lambda record: logged.append(record.getMessage())
-    logging.getLogger("tribucket").addHandler(handler)
-    try:
-        with tribucket.fused_bucketing(model, debug=True,
-                                       timeout=datetime.timedelta(seconds=20)) as reducer:
-            if kind == "hooks" and rank == 1:
-                reducer.register_comm_hook(None, hooks.fp16_compress_hook)
-            for step in range(4):
-                x = batch("mlp", rank, step)
-                if kind == "no_sync" and rank == 1 and step == 1:
-                    with reducer.no_sync():  # control flow differs on rank 1
-                        loss_of(model(x)).backward()
-                    continue
-                loss_of(model(x)).backward()
-    except RuntimeError as e:
-        return str(e), [m for m in logged if "close()" in m]
-    finally:
-        logging.getLogger("tribucket").removeHandler(handler)
+    with tribucket_log() as logged:
+        try:
+            with tribucket.fused_bucketing(model, debug=True,
+                                           timeout=datetime.timedelta(seconds=20)) as reducer:
+                if kind == "hooks" and rank == 1:
+                    reducer.register_comm_hook(None, hooks.fp16_compress_hook)
+                for step in range(4):
+                    x = batch("mlp", rank, step)
+                    if kind == "no_sync" and rank == 1 and step == 1:
+                        with reducer.no_sync():  # control flow differs on rank 1
+                            loss_of(model(x)).backward()
+                        continue
+                    loss_of(model(x)).backward()
+        except RuntimeError as e:
+            return str(e), [m for m in logged if "close()" in m]
     return None, logged
 
 
@@ -247,24 +240,12 @@ def test_debug_raises_nothing_where_the_ranks_agree(dist_run):
 def _debug_logs_bucket_timings():
     import logging
 
-    records = []
-
-    class Grab(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    log = logging.getLogger("tribucket")
-    handler = Grab()
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
+    with tribucket_log(logging.INFO) as records:
         model = build("mlp")
         with tribucket.fused_bucketing(model, bucket_cap_mb=0.001, debug=True) as reducer:
             for step in range(2):
                 loss_of(model(batch("mlp", dist.get_rank(), step))).backward()
             timings = reducer.stats.bucket_comm_s
-    finally:
-        log.removeHandler(handler)
     return [r for r in records if "bucket" in r and "ms from launch" in r], timings
 
 
