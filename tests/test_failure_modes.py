@@ -795,6 +795,8 @@ def _model_changed_after_entering(change):
             model.layers[0].extra = torch.nn.Linear(16, 16).requires_grad_(False)
             loss_of(model(batch("mlp", rank, 2))).backward()
             model.layers[0].extra.requires_grad_(True)
+        elif change == "inserted":  # written into _modules past torch's hooks
+            model.layers.insert(1, torch.nn.Linear(16, 16))
         elif change == "set_none":
             model.layers[0].drop = torch.nn.Dropout(0.0)
             model.layers[0].drop = None
@@ -818,6 +820,7 @@ def _model_changed_after_entering(change):
     ("adapter", "added 'layers.0.lora.weight'"),
     ("container_filled", "added 'layers.0.adapters.a.weight', 'layers.0.adapters.a.bias'"),
     ("frozen_then_unfrozen", "layers.0.extra.weight, layers.0.extra.bias"),
+    ("inserted", "added 'layers.1.weight', 'layers.1.bias'"),
     ("retied", None), ("swapped", None), ("set_none", None), ("frozen_layer", None),
     ("ignored_head", None)])
 def test_parameters_set_after_entering_are_named(dist_run, change, named):

@@ -77,7 +77,7 @@ class Forward:
         if bw.pass_ is not None and torch._C._current_graph_task_id() == -1:
             bw.settle_abandoned()  # outside any backward: the last one raised
         watch = self.watch
-        if watch is not None and (watch.touched or watch.changes):  # (a new head, adapters)
+        if watch is not None and (watch.touched or watch.changes or watch.resized()):
             if changes := watch.check():
                 raise RuntimeError(changed_error(changes))
         if self.frozen and any(p.requires_grad for _, p in self.frozen):

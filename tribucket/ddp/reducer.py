@@ -239,7 +239,8 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         requires grad, an averaged one does not, or a parameter or submodule was set (a new
         reducer would average another set)."""
         forward, watch = self._forward, self._forward.watch
-        return bool((watch is not None and (watch.touched or watch.changes) and watch.check())
+        return bool((watch is not None and (watch.touched or watch.changes or watch.resized())
+                     and watch.check())
                     or any(p.requires_grad for _, p in forward.frozen)
                     or not all(map(_requires_grad, self._params)))
 

@@ -6,9 +6,10 @@ train later would train on each rank's own gradient (torch DDP lets it, silently
 that left would be waited for. torch's global registration hooks (fired when a module or a
 parameter is assigned to a module, never per step) mark a watched model as touched; the next
 training forward then compares the model's parameters with the reducer's, once, and names
-what changed, before any collective. Writes into a module's ``_modules`` or ``_parameters``
-dictionaries themselves (``nn.Sequential.insert``, ``nn.ModuleList.insert``) bypass those
-hooks and are not seen."""
+what changed, before any collective. ``nn.Sequential.insert`` and ``nn.ModuleList.insert``
+write into the container's ``_modules`` themselves, past those hooks: the forward also
+compares the containers' lengths (a few integers). Other writes into a module's
+``_modules`` or ``_parameters`` dictionaries themselves are not seen."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ __all__ = ["Watch", "changed_error"]
 #: each module of a watched model -> (its model's Watch, the module's qualified name)
 _OWNERS: "weakref.WeakKeyDictionary[nn.Module, tuple[Watch, str]]" = weakref.WeakKeyDictionary()
 _INSTALLED = False
+_CONTAINERS = (nn.Sequential, nn.ModuleList)  # (their insert writes _modules directly)
 
 
 class Watch:
@@ -33,7 +35,7 @@ class Watch:
     each rank alone by design, as DDP's ``test_ddp_ignore_params_arg`` materialises one)."""
 
     __slots__ = ("model", "known", "trained", "ignored", "frozen", "touched", "changes",
-                 "__weakref__")
+                 "sizes", "__weakref__")
 
     def __init__(self, model: nn.Module, frozen: list, ignored: frozenset = frozenset()):
         global _INSTALLED
@@ -48,11 +50,23 @@ class Watch:
         self.ignored, self.frozen = ignored, frozen
         self.touched = False  # a module or parameter was set on the model since the check
         self.changes: list[str] = []  # what the last check found
+        self.sizes: list[tuple[weakref.ref, int]] = []  # (container, its length)
         self._own(model)
 
     def _own(self, model: nn.Module) -> None:
         for name, m in model.named_modules():  # (those set since too: a container filled)
             _OWNERS[m] = (self, name)
+        self.sizes = [(weakref.ref(m), len(m._modules)) for m in model.modules()
+                      if isinstance(m, _CONTAINERS)]
+
+    def resized(self) -> bool:
+        """Whether a container's length changed since the check (``insert`` writes past
+        torch's registration hooks)."""
+        for ref, n in self.sizes:
+            m = ref()
+            if m is not None and len(m._modules) != n:
+                return True
+        return False
 
     def check(self) -> list[str]:
         """Compare the model's parameters with those on entering (after a registration):
