@@ -275,7 +275,15 @@ class DistributedDataParallel(nn.Module, Joinable):
             inputs, kwargs = _to_kwargs(inputs, kwargs, torch.device(self.device_type,
                                                                       self.device_ids[0]), False)
             inputs, kwargs = inputs[0], kwargs[0]
-        fwd = self.reducer._forward
+        reducer = self.reducer
+        if self.module is not reducer.module:  # (ddp.module = another module)
+            raise RuntimeError(
+                f"tribucket.DistributedDataParallel: .module was replaced by a "
+                f"{type(self.module).__name__} after the wrapper was built; its reducer "
+                f"averages the parameters of the {type(reducer.module).__name__} it was built "
+                "on, so the new module's would train on each rank's own gradient. Build a new "
+                "DistributedDataParallel around the new module (and close this one)")
+        fwd = reducer._forward
         fwd.via_wrapper = True
         try:
             return self.module(*inputs, **kwargs)

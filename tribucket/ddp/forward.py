@@ -82,7 +82,10 @@ class Forward:
                 raise RuntimeError(changed_error(changes))
         if self.frozen and any(p.requires_grad for _, p in self.frozen):
             # (before this forward's collectives: every rank that unfroze raises here)
-            raise RuntimeError(unfrozen_error([n for n, p in self.frozen if p.requires_grad]))
+            if watch is not None and (changes := watch.check()):  # (drops those gone)
+                raise RuntimeError(changed_error(changes))
+            if unfrozen := [n for n, p in self.frozen if p.requires_grad]:
+                raise RuntimeError(unfrozen_error(unfrozen))
         if bw.entry.changed(bw.entry.sample):  # (model.half(), .to(...))
             raise RuntimeError(bw.entry.error(bw.entry.changed()))
         # a backward begun inside this forward (before its output exists) decides whether it

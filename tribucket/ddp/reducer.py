@@ -167,7 +167,8 @@ class Reducer(DDPCompat, ShardAccess, Joinable):
         self._forward.frozen = view.frozen
         self._attach()
         if _only is None:  # (the expert replicas' reducers: the model's is this one's)
-            self._forward.watch = Watch(module, view.frozen, frozenset(view.ignored))
+            self._forward.watch = Watch(module, view.frozen, frozenset(view.ignored),
+                                        removal_matters=not config.find_unused_parameters)
             self._handles.append(self._forward.watch)  # (close removes it)
         #: reducers averaging expert replicas over their replica groups (expert x data
         #: parallelism), one per replica group, built with this reducer's options; never

@@ -20,8 +20,9 @@ from torch.nn.modules import module as _module
 
 __all__ = ["Watch", "changed_error"]
 
-#: each module of a watched model -> (its model's Watch, the module's qualified name)
-_OWNERS: "weakref.WeakKeyDictionary[nn.Module, tuple[Watch, str]]" = weakref.WeakKeyDictionary()
+#: each module of a watched model -> {the Watch of each model holding it: its qualified
+#: name there} (a module two watched models share, a frozen feature extractor, has two)
+_OWNERS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 _INSTALLED = False
 _CONTAINERS = (nn.Sequential, nn.ModuleList)  # (their insert writes _modules directly)
 
@@ -34,10 +35,11 @@ class Watch:
     ``ignored``: the names ``ignore_parameters`` leaves out (a parameter set there trains on
     each rank alone by design, as DDP's ``test_ddp_ignore_params_arg`` materialises one)."""
 
-    __slots__ = ("model", "known", "trained", "ignored", "frozen", "touched", "changes",
-                 "sizes", "__weakref__")
+    __slots__ = ("model", "known", "trained", "ignored", "frozen", "removal_matters", "touched",
+                 "changes", "sizes", "__weakref__")
 
-    def __init__(self, model: nn.Module, frozen: list, ignored: frozenset = frozenset()):
+    def __init__(self, model: nn.Module, frozen: list, ignored: frozenset = frozenset(),
+                 removal_matters: bool = True):
         global _INSTALLED
         if not _INSTALLED:  # once per process: a dictionary lookup per registration
             _module.register_module_parameter_registration_hook(_touched)
@@ -48,6 +50,9 @@ class Watch:
         self.known = frozenset(id(p) for _, p in named)  # every parameter on entering
         self.trained = {id(p): n for n, p in named if p.requires_grad and n not in ignored}
         self.ignored, self.frozen = ignored, frozen
+        # a parameter gone from the model is waited for, unless the reducer looks for unused
+        # ones (find_unused_parameters: it is then unused, as under DDP)
+        self.removal_matters = removal_matters
         self.touched = False  # a module or parameter was set on the model since the check
         self.changes: list[str] = []  # what the last check found
         self.sizes: list[tuple[weakref.ref, int]] = []  # (container, its length)
@@ -55,7 +60,7 @@ class Watch:
 
     def _own(self, model: nn.Module) -> None:
         for name, m in model.named_modules():  # (those set since too: a container filled)
-            _OWNERS[m] = (self, name)
+            _OWNERS.setdefault(m, {})[self] = name
         self.sizes = [(weakref.ref(m), len(m._modules)) for m in model.modules()
                       if isinstance(m, _CONTAINERS)]
 
@@ -80,9 +85,14 @@ class Watch:
         new = [n for n, p in named if p.requires_grad and id(p) not in self.known
                and n not in self.ignored]
         gone = [n for i, n in self.trained.items() if i not in here]
+        if not self.removal_matters:  # (replaced ones still count: see new)
+            gone = [n for n in gone if n in new]
+        # the frozen list: those still in the model, and frozen newcomers (a frozen module
+        # taken out and trained elsewhere is no longer this model's)
         listed = {id(p) for _, p in self.frozen}
-        self.frozen += [(n, p) for n, p in named if not p.requires_grad
-                        and id(p) not in self.known and id(p) not in listed]
+        self.frozen[:] = [(n, p) for n, p in self.frozen if id(p) in here] + [
+            (n, p) for n, p in named if not p.requires_grad and id(p) not in self.known
+            and id(p) not in listed]
         replaced = [n for n in new if n in gone]
         self.changes = ([f"replaced {_listed(replaced)}"] if replaced else []) + (
             [f"added {_listed([n for n in new if n not in replaced])}"]
@@ -93,14 +103,14 @@ class Watch:
         return self.changes
 
     def remove(self) -> None:
-        for m in [m for m, (watch, _) in list(_OWNERS.items()) if watch is self]:
-            _OWNERS.pop(m, None)
+        for m, watches in list(_OWNERS.items()):
+            if watches.pop(self, None) is not None and not watches:
+                _OWNERS.pop(m, None)
 
 
 def _touched(module: nn.Module, name: str, value) -> None:
-    entry = _OWNERS.get(module)
-    if entry is not None:
-        entry[0].touched = True
+    for watch in _OWNERS.get(module, ()):
+        watch.touched = True
     return None
 
 
