@@ -193,19 +193,19 @@ def _average_pending(params: list, group) -> list:
     (parameter, averaged gradient) for the caller to set; their ``.grad`` is None here."""
     if not params or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return []
-    had = [p.grad is not None for p in params]
-    flat = torch.cat([(p.grad if h else torch.zeros_like(p)).reshape(-1).float()
-                      for p, h in zip(params, had)] +
-                     [torch.tensor(had, dtype=torch.float32, device=params[0].device)])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    used, offset, averaged = flat[-len(params):].tolist(), 0, []
-    for p, u in zip(params, used):
-        n = p.numel()
-        p.grad = None
-        if u > 0:
-            averaged.append((p, flat[offset:offset + n].view_as(p).to(p.dtype)))
-        offset += n
+    world = dist.get_world_size(group)
+    had = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+    dist.all_reduce(had, group=group)  # (every rank then runs the same collectives below)
+    averaged = []
+    for p, used in zip(params, had.tolist()):
+        g, p.grad = p.grad, None
+        if not used:
+            continue
+        dense = torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g.clone()
+        wire = torch.view_as_real(dense) if dense.is_complex() else dense  # (in its dtype)
+        dist.all_reduce(wire, group=group)
+        wire /= world
+        averaged.append((p, dense.to_sparse() if g is not None and g.is_sparse else dense))
     return averaged
 
 
