@@ -554,6 +554,37 @@ def test_a_layer_frozen_inside_an_accumulation_window(dist_run, dtype):
     assert results[0]["digest"] == results[1]["digest"], "the ranks' parameters differ"
 
 
+class _FreezeOnRankZero(L.Callback):
+    """Freezes the head on rank 0 only, at batch 1 (a rank-local decision)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.current_epoch == 0 and batch_idx == 1 and trainer.global_rank == 0:
+            pl_module.head.requires_grad_(False)
+
+
+def _frozen_on_one_rank() -> str | None:
+    """The strategy when one rank freezes a layer: the error each rank raised."""
+    L.seed_everything(1, verbose=False)
+    model = _FinetuneNet()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            _trainer("tribucket_find_unused_parameters_true", tmp,
+                     callbacks=[_FreezeOnRankZero()]).fit(model, _loader())
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.dist
+def test_a_layer_frozen_on_one_rank_is_named_on_every_rank(dist_run):
+    # before, only rank 0 rebuilt its reducer: its collectives met rank 1's forward and
+    # backward ones, and gloo aborted the process ('collective mismatch') or both waited out
+    # the group's timeout
+    for message in dist_run(_frozen_on_one_rank, timeout=120):
+        assert message is not None and "differs across ranks" in message, message
+        assert "head.weight" in message and "requires_grad" in message, message
+
+
 def _unfreezing_powersgd_state():
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     return psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,

@@ -185,27 +185,46 @@ def _reducer(wrapper: _Wrapper, process_group, hook, hook_state, options: dict) 
     return reducer
 
 
-def _average_pending(params: list, group) -> list:
+def _agreed(wants: bool, reducer: Reducer) -> bool:
+    """Whether any rank wants a new reducer (one flag, all-reduced: a rebuild runs
+    collectives, so every rank must take it; a change made on some ranks only is then named
+    by the new reducer's check across ranks, on every rank)."""
+    if reducer.world_size == 1:
+        return wants
+    flag = torch.tensor([float(wants)], device=reducer._device)
+    dist.all_reduce(flag, group=reducer.process_group)
+    return bool(flag.item())
+
+
+def _average_pending(params: list, leaving: set, group) -> list:
     """At a rebuild in an accumulation window (a layer frozen between two micro-batches):
-    the parameters leaving the averaged set keep the gradient of the window's ``no_sync``
+    the parameters leaving the averaged set (``leaving``: their ids among the old reducer's
+    ``params``, the same list on every rank) keep the gradient of the window's ``no_sync``
     micro-batches, which the new reducer will not average; average it now, as DDP's reducer
     does at the window's end (a parameter no rank has a gradient for keeps none). Returns
-    (parameter, averaged gradient) for the caller to set; their ``.grad`` is None here."""
+    (parameter, averaged gradient) for the caller to set; their ``.grad`` is None here.
+    Every rank runs the same collectives, whatever it changed (a change on some ranks only
+    is then named by the new reducer's check across ranks)."""
     if not params or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return []
     world = dist.get_world_size(group)
-    had = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
-    dist.all_reduce(had, group=group)  # (every rank then runs the same collectives below)
+    had = torch.tensor([float(id(p) in leaving and p.grad is not None) for p in params],
+                       device=params[0].device)
+    dist.all_reduce(had, group=group)
     averaged = []
     for p, used in zip(params, had.tolist()):
-        g, p.grad = p.grad, None
         if not used:
             continue
+        mine = id(p) in leaving
+        g = p.grad if mine else None
+        if mine:
+            p.grad = None
         dense = torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g.clone()
         wire = torch.view_as_real(dense) if dense.is_complex() else dense  # (in its dtype)
         dist.all_reduce(wire, group=group)
         wire /= world
-        averaged.append((p, dense.to_sparse() if g is not None and g.is_sparse else dense))
+        if mine:
+            averaged.append((p, dense.to_sparse() if g is not None and g.is_sparse else dense))
     return averaged
 
 
@@ -323,12 +342,12 @@ class FusedBucketingStrategy(_PLDDPStrategy):
         # average the new set, as leaving fused_bucketing and entering again does in a loop
         # (run after the callbacks' and the module's on_train_batch_start, on every rank)
         reducer = self.reducer
-        if reducer is not None and reducer._trains_another_set():
+        if reducer is not None and _agreed(reducer._trains_another_set(), reducer):
             wrapper = self.model
-            leaving = reducer._leaving()
+            leaving = {id(p) for p in reducer._leaving()}
             reducer.close()
             self.reducer = None
-            averaged = _average_pending(leaving, reducer.process_group)
+            averaged = _average_pending(reducer._params, leaving, reducer.process_group)
             _fresh_hook_memory(self._hook_state)
             self.reducer = _reducer(wrapper, None, self._hook, self._hook_state, self._options)
             for p, grad in averaged:  # (after entering: the new reducer sees no stale .grad)
