@@ -477,6 +477,35 @@ class _Unfreeze(BaseFinetuning):
                                               initial_denom_lr=1.0)
 
 
+def _unfreezing_loop(blocks, powersgd=None) -> nn.Module:
+    """The loop a user writes for ``_Unfreeze``: a ``fused_bucketing`` block per entry of
+    ``blocks`` (the epochs it runs), the backbone unfrozen and given a param group when
+    epoch 1 starts a block; ``powersgd``: a PowerSGD state, its per-bucket memories started
+    again there."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    L.seed_everything(1, verbose=False)
+    reference = _FinetuneNet()
+    reference.backbone.requires_grad_(False)
+    opt = torch.optim.AdamW(reference.head.parameters(), lr=LR)
+    for epochs in blocks:
+        if epochs[0] == 1:
+            reference.backbone.requires_grad_(True)
+            opt.add_param_group({"params": list(reference.backbone.parameters()), "lr": LR})
+            if powersgd is not None:
+                for memory in (powersgd.error_dict, powersgd.p_memory_dict,
+                               powersgd.q_memory_dict):
+                    memory.clear()
+        with tribucket.fused_bucketing(reference) as reducer:
+            if powersgd is not None:
+                reducer.register_comm_hook(powersgd, psgd.powerSGD_hook)
+            for _ in epochs:
+                for x, y in _loader():
+                    reference(x, y).backward()
+                    opt.step()
+                    opt.zero_grad()
+    return reference
+
+
 def _progressive_unfreezing() -> dict:
     """Lightning's BaseFinetuning unfreezing the backbone at epoch 1 under the strategy,
     against the loop a user writes for it (leave fused_bucketing, unfreeze, add the param
@@ -486,19 +515,7 @@ def _progressive_unfreezing() -> dict:
     model = _FinetuneNet()
     with tempfile.TemporaryDirectory() as tmp:
         _trainer("tribucket", tmp, max_epochs=3, callbacks=[_Unfreeze()]).fit(model, _loader())
-    L.seed_everything(1, verbose=False)
-    reference = _FinetuneNet()
-    reference.backbone.requires_grad_(False)
-    opt = torch.optim.AdamW(reference.head.parameters(), lr=LR)
-    for epoch in range(3):
-        if epoch == 1:
-            reference.backbone.requires_grad_(True)
-            opt.add_param_group({"params": list(reference.backbone.parameters()), "lr": LR})
-        with tribucket.fused_bucketing(reference):
-            for x, y in _loader():
-                reference(x, y).backward()
-                opt.step()
-                opt.zero_grad()
+    reference = _unfreezing_loop(([0], [1], [2]))
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(a, b), f"rank {rank}: {name} differs from the loop's"
     return {"digest": _digest(model)}
@@ -601,24 +618,8 @@ def _unfreezing_with_powersgd() -> dict:
         strategy = FusedBucketingStrategy(hook=psgd.powerSGD_hook,
                                           hook_state=_unfreezing_powersgd_state())
         _trainer(strategy, tmp, max_epochs=3, callbacks=[_Unfreeze()]).fit(model, _loader())
-    L.seed_everything(1, verbose=False)
-    reference = _FinetuneNet()
-    reference.backbone.requires_grad_(False)
-    opt = torch.optim.AdamW(reference.head.parameters(), lr=LR)
-    state = _unfreezing_powersgd_state()
-    for epochs in ([0], [1, 2]):  # one block before the unfreezing, one after
-        if epochs[0] == 1:
-            reference.backbone.requires_grad_(True)
-            opt.add_param_group({"params": list(reference.backbone.parameters()), "lr": LR})
-            for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
-                memory.clear()
-        with tribucket.fused_bucketing(reference) as reducer:
-            reducer.register_comm_hook(state, psgd.powerSGD_hook)
-            for _ in epochs:
-                for x, y in _loader():
-                    reference(x, y).backward()
-                    opt.step()
-                    opt.zero_grad()
+    # one block before the unfreezing, one after (as the strategy's one rebuild)
+    reference = _unfreezing_loop(([0], [1, 2]), _unfreezing_powersgd_state())
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(a, b), f"{name} differs from the loop's"
     return {"digest": _digest(model)}

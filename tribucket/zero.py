@@ -538,12 +538,6 @@ class _CompiledForwardWait(ForwardHookRef):
     def __call__(self, *a: Any) -> Any:
         return super().__call__(*a) if compiling() else None
 
-    def __deepcopy__(self, memo: dict) -> "_CompiledForwardWait":
-        return _CompiledForwardWait(None, self.method)
-
-    def __reduce__(self):
-        return (_CompiledForwardWait, (None, self.method))
-
 
 class _ModuleWait(ForwardHookRef):
     """A module's wait for its buckets' all-gathers. Traced by ``torch.compile``: nothing when
@@ -560,9 +554,3 @@ class _ModuleWait(ForwardHookRef):
             return super().__call__(*a)
         fn = self.fn
         return None if fn is None else fn(*self.args, *a)
-
-    def __deepcopy__(self, memo: dict) -> "_ModuleWait":
-        return _ModuleWait(None, self.method)
-
-    def __reduce__(self):
-        return (_ModuleWait, (None, self.method))

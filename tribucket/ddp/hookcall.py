@@ -166,10 +166,10 @@ class HookRef:
         return fn(*self.args, *a)
 
     def __deepcopy__(self, memo: dict) -> "HookRef":
-        return HookRef(None, self.method)
+        return type(self)(None, self.method)  # (an inert hook of the same kind)
 
     def __reduce__(self):
-        return (HookRef, (None, self.method))
+        return (type(self), (None, self.method))
 
 
 def compiling() -> bool:
@@ -200,12 +200,6 @@ class ForwardHookRef(HookRef):
     def _plain(self, *a: Any) -> Any:
         fn = self.fn
         return None if fn is None else fn(*self.args, *a)
-
-    def __deepcopy__(self, memo: dict) -> "ForwardHookRef":
-        return ForwardHookRef(None, self.method)
-
-    def __reduce__(self):
-        return (ForwardHookRef, (None, self.method))
 
 
 def lend_timed_group(group, hook: Callable, state: Any) -> tuple[Any, Any]:
