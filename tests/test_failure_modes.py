@@ -806,6 +806,12 @@ def _model_changed_after_entering(change):
             teacher.requires_grad_(True)
         elif change == "removed_unused":  # (unused anyway: nothing waits for it)
             model.spare = None
+        elif change == "converted":  # .to() under torch's overwrite flag: every parameter
+            torch.__future__.set_overwrite_module_params_on_conversion(True)  # replaced in
+            try:  # the modules' _parameters, past torch's registration hooks
+                model.to(torch.float32)
+            finally:
+                torch.__future__.set_overwrite_module_params_on_conversion(False)
         elif change == "set_none":
             model.layers[0].drop = torch.nn.Dropout(0.0)
             model.layers[0].drop = None
@@ -830,6 +836,7 @@ def _model_changed_after_entering(change):
     ("container_filled", "added 'layers.0.adapters.a.weight', 'layers.0.adapters.a.bias'"),
     ("frozen_then_unfrozen", "added 'layers.0.extra.weight', 'layers.0.extra.bias'"),
     ("inserted", "added 'layers.1.weight', 'layers.1.bias'"),
+    ("converted", "replaced 'layers.0.weight', 'layers.0.bias'"),
     ("retied", None), ("swapped", None), ("set_none", None), ("frozen_layer", None),
     ("frozen_taken_out", None), ("removed_unused", None),
     ("ignored_head", None)])

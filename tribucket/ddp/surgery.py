@@ -8,8 +8,11 @@ parameter is assigned to a module, never per step) mark a watched model as touch
 training forward then compares the model's parameters with the reducer's, once, and names
 what changed, before any collective. ``nn.Sequential.insert`` and ``nn.ModuleList.insert``
 write into the container's ``_modules`` themselves, past those hooks: the forward also
-compares the containers' lengths (a few integers). Other writes into a module's
-``_modules`` or ``_parameters`` dictionaries themselves are not seen."""
+compares the containers' lengths (a few integers). ``model.to(...)`` under torch's
+``set_overwrite_module_params_on_conversion(True)`` replaces every parameter in its module's
+``_parameters`` dictionary, past those hooks too: the forward also looks up the first and
+the last averaged parameter where they were (two dictionary lookups). Other writes into a
+module's ``_modules`` or ``_parameters`` dictionaries themselves are not seen."""
 
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ class Watch:
     each rank alone by design, as DDP's ``test_ddp_ignore_params_arg`` materialises one)."""
 
     __slots__ = ("model", "known", "trained", "ignored", "frozen", "removal_matters", "touched",
-                 "changes", "sizes", "__weakref__")
+                 "changes", "sizes", "ends", "__weakref__")
 
     def __init__(self, model: nn.Module, frozen: list, ignored: frozenset = frozenset(),
                  removal_matters: bool = True):
@@ -56,6 +59,8 @@ class Watch:
         self.touched = False  # a module or parameter was set on the model since the check
         self.changes: list[str] = []  # what the last check found
         self.sizes: list[tuple[weakref.ref, int]] = []  # (container, its length)
+        #: (module, name, id) of the first and the last averaged parameter where they are held
+        self.ends: list[tuple[weakref.ref, str, int]] = []
         self._own(model)
 
     def _own(self, model: nn.Module) -> None:
@@ -63,13 +68,21 @@ class Watch:
             _OWNERS.setdefault(m, {})[self] = name
         self.sizes = [(weakref.ref(m), len(m._modules)) for m in model.modules()
                       if isinstance(m, _CONTAINERS)]
+        held = [(m, n, p) for m in model.modules() for n, p in m._parameters.items()
+                if p is not None and id(p) in self.trained]
+        self.ends = [(weakref.ref(m), n, id(p)) for m, n, p in (held[:1] + held[-1:])]
 
     def resized(self) -> bool:
         """Whether a container's length changed since the check (``insert`` writes past
-        torch's registration hooks)."""
+        torch's registration hooks), or the first or the last averaged parameter is no longer
+        where it was (``model.to(...)`` under torch's overwrite-on-conversion flag)."""
         for ref, n in self.sizes:
             m = ref()
             if m is not None and len(m._modules) != n:
+                return True
+        for ref, name, pid in self.ends:
+            m = ref()
+            if m is not None and id(m._parameters.get(name)) != pid:
                 return True
         return False
 
