@@ -855,6 +855,47 @@ def test_parameters_set_after_entering_are_named(dist_run, change, named):
         assert spread < 1e-6, f"{change}: after entering again the ranks' gradients differ"
 
 
+def _functional_call_steps(how):
+    """Three MAML-like steps: the outer forward runs through torch.func.functional_call with
+    weights computed from the model's own (the tensors it swaps into the modules for the
+    call are not parameters: their gradients flow back to the model's). ``how``: "ddp" or
+    "tribucket". The first layer's weight after the steps."""
+    from torch.func import functional_call
+
+    rank = dist.get_rank()
+    model = build("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if how == "ddp":
+        net, ctx = torch.nn.parallel.DistributedDataParallel(model), None
+    else:
+        net, ctx = model, tribucket.fused_bucketing(model, timeout=TIMEOUT)
+        ctx.__enter__()
+    try:
+        for step in range(3):
+            params = dict(net.named_parameters())
+            inner = loss_of(functional_call(net, params, (batch("mlp", rank, step),)))
+            grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+            fast = {k: v - 0.01 * g for (k, v), g in zip(params.items(), grads)}
+            loss_of(functional_call(net, fast, (batch("mlp", rank, step + 5),))).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    return model.layers[0].weight.detach().clone()
+
+
+def test_functional_call_with_computed_weights_trains_as_ddp(dist_run):
+    """torch.func.functional_call swaps tensors into the modules' _parameters for one call,
+    past torch's registration hooks (MAML's fast weights, weight noise): no change to what
+    is averaged; the steps equal DDP's on every rank."""
+    ddp = dist_run(_functional_call_steps, "ddp")
+    mine = dist_run(_functional_call_steps, "tribucket")
+    for d, m in zip(ddp, mine):
+        assert (d - m).abs().max().item() < 1e-6, (d - m).abs().max().item()
+    assert torch.equal(mine[0], mine[1])
+
+
 def _shared_frozen_module_replaced():
     """Two models (a GAN's generator and discriminator) share a frozen feature layer, each
     with its reducer; the shared layer's weight is replaced by a trainable one: each

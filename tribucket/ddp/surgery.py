@@ -11,8 +11,11 @@ write into the container's ``_modules`` themselves, past those hooks: the forwar
 compares the containers' lengths (a few integers). ``model.to(...)`` under torch's
 ``set_overwrite_module_params_on_conversion(True)`` replaces every parameter in its module's
 ``_parameters`` dictionary, past those hooks too: the forward also looks up the first and
-the last averaged parameter where they were (two dictionary lookups). Other writes into a
-module's ``_modules`` or ``_parameters`` dictionaries themselves are not seen."""
+the last averaged parameter where they were (two dictionary lookups). A plain tensor found
+in a module's ``_parameters`` is ``torch.func.functional_call``'s, swapped in for one call
+(MAML's fast weights, computed from the parameters: their gradients reach the parameters):
+no change. Other writes into a module's ``_modules`` or ``_parameters`` dictionaries
+themselves are not seen."""
 
 from __future__ import annotations
 
@@ -70,7 +73,8 @@ class Watch:
                       if isinstance(m, _CONTAINERS)]
         held = [(m, n, p) for m in model.modules() for n, p in m._parameters.items()
                 if p is not None and id(p) in self.trained]
-        self.ends = [(weakref.ref(m), n, id(p)) for m, n, p in (held[:1] + held[-1:])]
+        if held or not self.ends:  # (inside a functional_call: the ends kept)
+            self.ends = [(weakref.ref(m), n, id(p)) for m, n, p in (held[:1] + held[-1:])]
 
     def resized(self) -> bool:
         """Whether a container's length changed since the check (``insert`` writes past
@@ -82,7 +86,8 @@ class Watch:
                 return True
         for ref, name, pid in self.ends:
             m = ref()
-            if m is not None and id(m._parameters.get(name)) != pid:
+            if m is not None and id(p := m._parameters.get(name)) != pid and (
+                    p is None or isinstance(p, nn.Parameter)):  # (else: a functional_call)
                 return True
         return False
 
@@ -95,9 +100,11 @@ class Watch:
             return self.changes
         named = list(model.named_parameters())
         here = {id(p) for _, p in named}
+        # plain tensors: swapped in by torch.func.functional_call for one call (module doc)
+        swapped = {n for n, p in named if not isinstance(p, nn.Parameter)}
         new = [n for n, p in named if p.requires_grad and id(p) not in self.known
-               and n not in self.ignored]
-        gone = [n for i, n in self.trained.items() if i not in here]
+               and n not in self.ignored and n not in swapped]
+        gone = [n for i, n in self.trained.items() if i not in here and n not in swapped]
         if not self.removal_matters:  # (replaced ones still count: see new)
             gone = [n for n in gone if n in new]
         # the frozen list: those still in the model, and frozen newcomers (a frozen module
@@ -105,7 +112,7 @@ class Watch:
         listed = {id(p) for _, p in self.frozen}
         self.frozen[:] = [(n, p) for n, p in self.frozen if id(p) in here] + [
             (n, p) for n, p in named if not p.requires_grad and id(p) not in self.known
-            and id(p) not in listed]
+            and id(p) not in listed and n not in swapped]
         replaced = [n for n in new if n in gone]
         self.changes = ([f"replaced {_listed(replaced)}"] if replaced else []) + (
             [f"added {_listed([n for n in new if n not in replaced])}"]
