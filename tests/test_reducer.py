@@ -364,6 +364,53 @@ def test_kept_gradients_are_not_overwritten(dist_run, which):
             assert intact == [True] * 4
 
 
+def _gradients_kept_across_steps(how, pack_on_ready, preallocated):
+    """Four steps with zero_grad(set_to_none=False) while the loop keeps the list of .grad
+    tensors (taken after the first backward, or allocated by hand before training), as a
+    hand-written clip or a gradient-norm log does. Per step: whether every .grad still is
+    the kept tensor, and the kept tensors' values."""
+    rank = dist.get_rank()
+    model = build("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept = None
+    if preallocated:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        kept = [p.grad for p in model.parameters()]
+    if how == "ddp":
+        net, ctx = DDP(model, bucket_cap_mb=0.001), contextlib.nullcontext()
+    else:
+        net, ctx = model, tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
+                                                    pack_on_ready=pack_on_ready)
+    same, values = [], []
+    with ctx:
+        for step in range(4):
+            loss_of(net(batch("mlp", rank, step))).backward()
+            if kept is None:
+                kept = [p.grad for p in model.parameters()]
+            same.append(all(p.grad is g for p, g in zip(model.parameters(), kept)))
+            values.append(torch.cat([g.reshape(-1) for g in kept]).clone())
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    return same, values
+
+
+@pytest.mark.parametrize("pack_on_ready", [True, False])
+@pytest.mark.parametrize("preallocated", [False, True])
+def test_gradient_tensors_kept_across_steps_receive_the_average(dist_run, pack_on_ready,
+                                                                 preallocated):
+    """With zero_grad(set_to_none=False), DDP writes the average into the same .grad tensors
+    every step: a list of them kept by the loop stays the gradients (through the rebuild
+    too), and never holds this rank's own gradient."""
+    ddp = dist_run(_gradients_kept_across_steps, "ddp", None, preallocated)
+    mine = dist_run(_gradients_kept_across_steps, "tribucket", pack_on_ready, preallocated)
+    for (d_same, d_values), (same, values) in zip(ddp, mine):
+        assert d_same == [True] * 4
+        assert same == [True] * 4, same
+        for step, (a, b) in enumerate(zip(d_values, values)):
+            assert (a - b).abs().max().item() < 1e-6, (step, (a - b).abs().max().item())
+
+
 # ---------------------------------------------------------------- close() mid-backward
 class _RaiseInBackward(torch.autograd.Function):
     @staticmethod

@@ -10,7 +10,13 @@ saves one full pass over the bucket. What happens next depends on what the user 
   next gradients straight into the bucket: the next pack is an in-place scale, no copy;
 * if the user keeps a reference to a gradient, the buffer stays theirs and the next pack
   gets a fresh buffer: the reducer never writes into memory a user may still be reading,
-  except through the ``.grad`` tensors themselves, whose values DDP would also overwrite.
+  except through the ``.grad`` tensors themselves, whose values DDP would also overwrite;
+* if the user keeps the ``.grad`` tensors themselves across steps while they stay the
+  gradients (``zero_grad(set_to_none=False)``, or gradients allocated by hand: a list a
+  hand-written clip or a norm log reads), autograd accumulates into them and they are not
+  views of this bucket: the average is then written into them, as DDP does, instead of
+  lending the bucket (which would leave them holding this rank's own gradient). Whether a
+  tensor is kept is read from its reference count, once per bucket and pass.
 
 ``gradient_as_bucket_view=True`` keeps DDP's contract instead: the bucket always backs the
 ``.grad`` views and is reused whatever the user holds.
@@ -28,6 +34,17 @@ from ..layout import Bucket
 __all__ = ["BucketMemory"]
 
 _grad_of = operator.attrgetter("grad")
+
+
+def _alone() -> int:
+    """``sys.getrefcount(p.grad)`` of a gradient nothing else references: the call's
+    argument and the reference the tensor keeps to its Python object."""
+    p = torch.zeros(1, requires_grad=True)
+    p.grad = torch.zeros(1)
+    return sys.getrefcount(p.grad)
+
+
+_ALONE = _alone()
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -59,7 +76,7 @@ class BucketMemory:
                  "lent", "eager", "_ptr_offsets", "_contiguous", "_gaps", "_base_count",
                  "_mode", "_copied", "_checked", "_checked_unpack", "tail", "_dense",
                  "_packed", "_views", "_views_of", "_views_count", "_whole", "_scale",
-                 "_strides", "_lendable")
+                 "_strides", "_lendable", "keep")
 
     def __init__(self, bucket: Bucket, params: list[torch.Tensor], wire_dtype: torch.dtype,
                  plan, always_view: bool, eager: bool = False, tail: int = 0,
@@ -107,6 +124,7 @@ class BucketMemory:
         self._views_count = 0
         self._whole = False  # the last finish lent the buffer whole: .grad are _views
         self._scale: tuple[float, torch.Tensor] | None = None  # (factor, as 0-dim float32)
+        self.keep = False  # this pass: the .grad tensors are the user's, kept (module doc)
 
     @staticmethod
     def _gap_index(bucket: Bucket) -> torch.Tensor | None:
@@ -218,6 +236,19 @@ class BucketMemory:
         return (g is not None and buf is not None and g.dtype == buf.dtype
                 and g.data_ptr() == buf.data_ptr() + self._ptr_offsets[k])
 
+    def _held(self, k: int, ours: int) -> bool:
+        """Whether parameter ``k``'s ``.grad`` (not a view of the buffers) is referenced
+        beyond the parameter, this bucket's cached views and the ``ours`` references of
+        the caller: kept by the user across steps (see the module docstring)."""
+        if not self.transfer or self.always_view:
+            return False  # (not lent: unpacked into the .grad tensors; or DDP's views)
+        g = self.params[k].grad
+        if g is None:
+            return False
+        views = self._views
+        mine = ours + 1 + (views is not None and any(v is g for v in views))  # (+1: g)
+        return sys.getrefcount(g) > _ALONE + mine
+
     def _acquire(self) -> torch.Tensor:
         """The buffer this pass packs into: the lent one if nothing else holds it."""
         buf = self.active
@@ -239,6 +270,7 @@ class BucketMemory:
             else:
                 self._acquire()
                 self._mode = "copy"
+                self.keep = self._held(k, 1)  # (1: the argument g)
         buf = self.active
         if g is None or self.is_view(k, g, buf):
             view = buf.narrow(0, self.bucket.offsets[k], self.bucket.sizes[k])
@@ -258,7 +290,7 @@ class BucketMemory:
                 torch.mul(g, self._factor(scale), out=slot)
             else:
                 torch.mul(g, scale, out=slot)  # fp32 math, one rounding cast
-            if self.transfer and self._lendable[k]:
+            if self.transfer and self._lendable[k] and not self.keep:
                 # point .grad at its slot now, as DDP does: autograd's tensor is freed at once
                 # and its memory is reused (still in cache) by the next gradient
                 self.params[k].grad = slot
@@ -288,6 +320,10 @@ class BucketMemory:
             if scale != 1.0:
                 lent.mul_(scale)
             return lent
+        for k in range(len(grads)):  # the first gradient tells whether the user keeps them
+            if grads[k] is not None:
+                self.keep = self._held(k, 1)  # (1: the list)
+                break
         buf = self._acquire()
         if not self._dense:
             # the kernels take dense, contiguous sources: a channels_last gradient in the
@@ -310,13 +346,14 @@ class BucketMemory:
         """
         buf = self.active
         packed, self._packed = self._packed, False
+        keep, self.keep = self.keep, False
         self._whole = False
         if self.transfer and buf is not None and result.data_ptr() == buf.data_ptr() \
                 and result.dtype == buf.dtype:
             # lent whole: a buffer packed in one call (its cached views become .grad in one
             # loop), or one whose every .grad already is its cached view (copied in as each
             # gradient arrived, or accumulated there by autograd)
-            if all_targets and self._dense and (packed or (buf is self._views_of and all(
+            if all_targets and self._dense and not keep and (packed or (buf is self._views_of and all(
                     map(operator.is_, map(_grad_of, self.params), self._views)))):
                 self.plan.forget(self.body(buf))
                 if packed:
@@ -331,7 +368,9 @@ class BucketMemory:
                 if self.is_view(k, g, buf):
                     continue
                 view = self.slot(buf, k)
-                if self._lendable[k] or self.always_view:
+                if keep and g is not None:
+                    g.copy_(view)  # the user's tensor stays the gradient (DDP's contract)
+                elif self._lendable[k] or self.always_view:
                     q.grad = view
                 elif g is None:
                     q.grad = view.clone(memory_format=torch.preserve_format)
@@ -378,4 +417,4 @@ class BucketMemory:
 
     def reset(self) -> None:
         self.active = self.lent = self._views = self._views_of = None
-        self._whole = False
+        self._whole = self.keep = False
