@@ -12,6 +12,7 @@ import json
 import math
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tribucket import demo
@@ -162,6 +163,11 @@ def test_run_demo_needs_a_process_group():
     (["--batch-size", "0"], ["--batch-size", "0"]),
     (["--threads", "0"], ["--threads", "positive", "0"]),
     (["--text", "/no/such/file.txt"], ["--text", "/no/such/file.txt", "not a file"]),
+    # one position: attention's query and key get only rounding noise as gradient, which
+    # AdamW turns into steps of their own in each run: no comparison to make
+    (["--seq-len", "1"], ["--seq-len", "at least 2", "1"]),
+    # the demo's MoE is the second block's feed-forward
+    (["--layers", "1"], ["--layers", "at least 2", "1"]),
 ])
 def test_parser_rejects_bad_values(capsys, argv, words):
     with pytest.raises(SystemExit) as exc:
@@ -171,6 +177,34 @@ def test_parser_rejects_bad_values(capsys, argv, words):
     assert "usage: tribucket-demo" in err
     for w in words:
         assert w in err, (w, err)
+
+
+def test_parser_refuses_nccl_without_a_gpu_before_launching(capsys):
+    if torch.cuda.is_available():  # pragma: no cover - a GPU machine runs nccl
+        pytest.skip("a CUDA device is visible")
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--backend", "nccl"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: tribucket-demo" in err and "--backend nccl" in err and "gloo" in err, err
+
+
+def test_parser_names_the_text_flag_for_a_file_that_is_not_utf8(capsys, tmp_path):
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("Ça ne va pas être décodé ".encode("latin-1") * 400)
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--text", str(latin)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--text" in err and str(latin) in err and "UTF-8" in err, err
+
+
+def test_demo_without_the_routing_bias_matches_ddp(dist_run):
+    """--bias-update-rate 0 with softmax scores (the docs' suggestion): the comparison with
+    DDP runs and agrees."""
+    res = dist_run(_run, {"steps": 3, "score_func": "softmax", "bias_update_rate": 0.0},
+                   world_size=2)[0]
+    assert res["param_diff"]["max_abs_diff"] <= PARAM_TOLERANCE, res["param_diff"]
 
 
 @pytest.mark.parametrize("case", ["seq_len", "short_text"])

@@ -84,6 +84,9 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoConfig:
         cfg = DemoConfig(**{f.name: values[f.name] for f in fields(DemoConfig)})
         if not _under_torchrun():  # the demo launches --nproc ranks: the world size is known
             _check_world(cfg, cfg.nproc)
+            if cfg.backend == "nccl" and not torch.cuda.is_available():
+                raise ValueError("--backend nccl needs CUDA GPUs and none is visible: use "
+                                 "--backend gloo (or auto) on CPU")
             # (the text decides the data: refused here, before torchrun starts the ranks)
             check_text_length(len(load_text(cfg.text)), cfg.seq_len)
     except ValueError as e:

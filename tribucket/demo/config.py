@@ -88,10 +88,18 @@ class DemoConfig:
             raise ValueError(f"--shared-experts must be an integer >= 0, got {self.shared_experts!r}")
         if self.score_func not in SCORE_FUNCS:
             raise ValueError(f"--score-func {self.score_func!r} is not one of {', '.join(SCORE_FUNCS)}")
+        if self.seq_len < 2:
+            # one position: attention's query and key weights get only rounding noise as
+            # gradient, which AdamW turns into steps: the two runs part for no reason of theirs
+            raise ValueError(f"--seq-len must be at least 2 (attention needs two positions), "
+                             f"got {self.seq_len}")
+        if self.layers < 2:
+            raise ValueError(f"--layers must be at least 2 (the MoE is every second block's "
+                             f"feed-forward), got {self.layers}")
         if self.d_model % self.heads:
             raise ValueError(f"--d-model {self.d_model} is not divisible by --heads {self.heads}: "
                              f"pick a head count that divides it (e.g. --heads "
-                             f"{math.gcd(self.d_model, self.heads)})")
+                             f"{_nearest_divisor(self.d_model, self.heads)})")
         if self.hook not in HOOKS:
             raise ValueError(f"--hook {self.hook!r} is not one of {', '.join(HOOKS)}")
         if self.schedule not in SCHEDULES:
@@ -110,6 +118,11 @@ class DemoConfig:
 
     def num_experts(self, world_size: int) -> int:
         return world_size * self.experts_per_rank
+
+
+def _nearest_divisor(n: int, near: int) -> int:
+    """The divisor of ``n`` closest to ``near`` (the smaller of two as close)."""
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - near), d))
 
 
 def _check_world(cfg: DemoConfig, world: int) -> None:

@@ -66,7 +66,12 @@ class CharData:
 
 
 def load_text(path: str | None) -> str:
-    return Path(path or DEFAULT_TEXT).read_text(encoding="utf-8")
+    try:
+        return Path(path or DEFAULT_TEXT).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--text {path!r} is not UTF-8 text ({e.reason} at byte {e.start}): "
+                         "convert it (e.g. iconv -f latin1 -t utf-8), or leave --text out "
+                         "for the built-in sonnets") from None
 
 
 # ----------------------------------------------------------------------------- model
@@ -138,8 +143,9 @@ class AllExpertsMoE(nn.Module):
         self.aux_loss_coef = aux_loss_coef
         self.score_func = score_func
         self.bias_update_rate = bias_update_rate
+        # (zeros without balancing, as MoELayer's: the state_dict keys line up)
+        self.register_buffer("expert_bias", torch.zeros(len(experts), device=router.weight.device))
         if bias_update_rate:
-            self.register_buffer("expert_bias", torch.zeros(len(experts), device=router.weight.device))
             self._load_E = torch.zeros(len(experts), dtype=torch.float64, device=router.weight.device)
         self.aux_loss: torch.Tensor | None = None
         #: [E] this rank's token-slots per expert in the last forward (MoELayer's

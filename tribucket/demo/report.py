@@ -93,8 +93,8 @@ def _comparison_lines(result: dict) -> list[str]:
                                              if verdict == "routing" else "")]
     lines.append("MoE routing (every token's experts, every rank, layer and step): "
                  + ("identical" if n is None else
-                    f"identical for steps 1-{n - 1}, differs from step {n} on"
-                    if n > 1 else f"differs from step {n} on"))
+                    (f"identical for steps 1-{n - 1}" if n > 2 else "identical for step 1")
+                    + f", differs from step {n} on" if n > 1 else f"differs from step {n} on"))
     margin = result.get("tie_margin")
     if verdict == "hook":
         lines.append(f"  (expected: the '{cfg['hook']}' hook changes the averaging; only "

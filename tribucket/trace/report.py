@@ -180,6 +180,10 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _ms(us: float | None) -> str:
     return "-" if us is None else f"{us / 1e3:.3f} ms"
 
@@ -187,7 +191,7 @@ def _ms(us: float | None) -> str:
 def format_table(s: Summary, per_rank: bool = False) -> str:
     how = "per rank" if per_rank else "max over ranks"
     lines = [f"{len(s.ranks)} rank(s), {s.steps} step(s); medians over the {len(s.used_steps)} "
-             f"step(s) with the final layout ({len({r.bucket for r in s.rows})} buckets), "
+             f"step(s) with the final layout ({_count(len({r.bucket for r in s.rows}), 'bucket')}), "
              f"{how}"]
     head = (["rank"] if per_rank else []) + ["bucket", "bytes", "ready->launch", "in flight",
                                              "exposed", "share of step"]
