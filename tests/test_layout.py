@@ -190,3 +190,24 @@ def test_testing_without_hypothesis_names_the_extra():
     r = _run_blocked("hypothesis", "import tribucket.testing")
     assert r.returncode != 0
     assert "pip install 'tribucket[testing]'" in r.stderr
+
+
+@pytest.mark.parametrize("argv", [["--bucket-cap-mb", "0"], ["--bucket-cap-mb", "nan"],
+                                  ["--bucket-cap-mb", "inf"], ["--first-bucket-cap-mb", "-1"]])
+def test_report_cli_refuses_caps_that_are_not_positive_sizes(capsys, argv):
+    from tribucket import report
+
+    with pytest.raises(SystemExit) as exc:
+        report.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert argv[0] in err and argv[1] in err, err
+
+
+def test_report_cli_calls_only_ddps_caps_its_defaults(capsys):
+    from tribucket import report
+
+    report.main(["--model", "mlp"])
+    assert "(DDP's defaults)" in capsys.readouterr().out
+    report.main(["--model", "mlp", "--bucket-cap-mb", "5"])
+    assert "DDP's defaults" not in capsys.readouterr().out

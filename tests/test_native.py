@@ -455,3 +455,25 @@ def _required_but_missing_on_one_rank():
 def test_required_native_hooks_missing_on_one_rank_raise_everywhere(dist_run):
     for msg in dist_run(_required_but_missing_on_one_rank, world_size=2, timeout=60):
         assert msg is not None and "rank 1" in msg and "no C++ compiler" in msg, msg
+
+
+def test_build_report_builds_nothing_even_with_quiet(capsys, monkeypatch):
+    """``--report`` means build nothing: with ``--quiet`` too it is refused (exit 2), not
+    taken for a quiet build."""
+    from tribucket import build as build_cli
+
+    monkeypatch.setattr(native, "load", lambda: pytest.fail("--report built the hooks"))
+    with pytest.raises(SystemExit) as exc:
+        build_cli.main(["--report", "--quiet"])
+    assert exc.value.code == 2
+    assert "--report" in capsys.readouterr().err
+
+
+def test_build_report_names_the_compiler_torch_uses(capsys, monkeypatch):
+    """torch's extension builder compiles with $CXX when it is set: the report says so."""
+    from tribucket import build as build_cli
+
+    monkeypatch.setenv("CXX", "/opt/my-g++")
+    assert build_cli.main(["--report"]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("C++ compiler"))
+    assert "/opt/my-g++" in line, line

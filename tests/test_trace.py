@@ -262,6 +262,22 @@ def test_cli_rejects_a_malformed_trace(tmp_path, capsys):
     assert "missing ['dur', 'tid']" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("events", [
+    # a thread_name metadata event with neither args nor tid (validate asks neither of M)
+    [{"ph": "M", "name": "thread_name", "pid": 0, "tid": 0},
+     {"ph": "M", "name": "thread_name", "pid": 0, "args": {"name": "main"}}],
+    # rank ids of both kinds (integers and strings are both valid ids)
+    [{"ph": "X", "name": "backward", "pid": "rank 1", "tid": 0, "ts": 0.0, "dur": 2.0,
+      "args": {"step": 1}}]])
+def test_cli_reads_every_trace_its_check_accepts(tmp_path, capsys, events):
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps({"traceEvents": events + [
+        {"ph": "X", "name": "backward", "pid": 0, "tid": 0, "ts": 0.0, "dur": 5.0,
+         "args": {"step": 1}}]}))
+    assert cli_main([str(path)]) == 0
+    assert (tmp_path / "odd.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_cli_says_when_a_trace_has_nothing_to_show(tmp_path, capsys):
     # a run closed before its first traced step: no table of zeros, no empty picture
     empty = tmp_path / "empty.json"

@@ -11,6 +11,7 @@ extension compiles in the background, and switches when it is ready.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import time
@@ -26,7 +27,9 @@ def report() -> list[tuple[str, str]]:
     """(what, value) rows: the torch build, the compiler, the cache folder, the status."""
     where = native.build_dir()
     binary = where / f"{native._NAME}.so"
-    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    # (torch's extension builder compiles with $CXX when it is set, else c++)
+    compiler = (os.environ.get("CXX") and f"{os.environ['CXX']} ($CXX)") or \
+        shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     status = ("built" if binary.exists() else
               f"not built: {native.unavailable_reason()}" if native.unavailable_reason()
               else "not built yet")
@@ -41,9 +44,10 @@ def report() -> list[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tribucket.build", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--report", action="store_true", help="report only, build nothing")
-    parser.add_argument("--quiet", action="store_true",
-                        help="build and print nothing but, on failure, the reason (last line)")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--report", action="store_true", help="report only, build nothing")
+    what.add_argument("--quiet", action="store_true",
+                      help="build and print nothing but, on failure, the reason (last line)")
     args = parser.parse_args(argv)
     if args.quiet:
         import warnings

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Sequence
 
 from torch import nn
@@ -53,11 +54,22 @@ def _model(name: str) -> nn.Module:
     raise ValueError(f"--model must be 'transformer' or 'mlp', got {name!r}")
 
 
+def _mib(text: str) -> float:
+    """A cap in MiB: a positive, finite number."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of MiB") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a cap is a positive, finite number of MiB")
+    return v
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Print tribucket's bucket layout of a model.")
     p.add_argument("--model", default="transformer", choices=["transformer", "mlp"])
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--first-bucket-cap-mb", type=float, default=1.0)
+    p.add_argument("--bucket-cap-mb", type=_mib, default=25.0)
+    p.add_argument("--first-bucket-cap-mb", type=_mib, default=1.0)
     args = p.parse_args(argv)
     model = _model(args.model)
     named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
@@ -65,7 +77,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     caps = dict(bucket_cap_bytes=int(args.bucket_cap_mb * 2**20),
                 first_bucket_cap_bytes=int(args.first_bucket_cap_mb * 2**20))
     print(f"{args.model}: {len(named)} parameters, caps {args.first_bucket_cap_mb} MiB first / "
-          f"{args.bucket_cap_mb} MiB (DDP's defaults); buckets listed in reduction order\n")
+          f"{args.bucket_cap_mb} MiB"
+          + (" (DDP's defaults)" if (args.bucket_cap_mb, args.first_bucket_cap_mb) == (25.0, 1.0)
+             else "") + "; buckets listed in reduction order\n")
     print("Initial layout (parameters in model order, bucket list reversed):")
     print(format_layout(compute_layout([q for _, q in named], **caps), names))
     # A feed-forward model's gradients become ready roughly in reverse parameter order; the

@@ -93,13 +93,18 @@ def _collect(trace: dict) -> dict[int, dict[int, _StepBuckets]]:
     return per
 
 
+def _id_order(x) -> tuple:
+    """A sort key for Chrome trace ids, which may be integers or strings, mixed."""
+    return (isinstance(x, str), x if not isinstance(x, str) else 0, str(x))
+
+
 def _layout(s: _StepBuckets) -> tuple:
     return tuple(sorted(s.nbytes.items()))
 
 
 def summarize(trace: dict, per_rank: bool = False) -> Summary:
     per = _collect(trace)
-    ranks = sorted(per)
+    ranks = sorted(per, key=_id_order)
     steps = sorted({st for r in per.values() for st in r})
     # the final layout: that of the last step of rank 0 that has buckets
     final = None
@@ -232,8 +237,11 @@ def plot_timeline(trace: dict, out: str, steps: int = 3) -> str:
     lane_names = {}
     for e in trace["traceEvents"]:
         if e.get("ph") == "M" and e.get("name") == "thread_name":
-            lane_names[(e["pid"], e["tid"])] = e["args"]["name"]
-    rows = sorted({(e["pid"], e["tid"]) for e in evs})
+            name = (e.get("args") or {}).get("name")  # (validate asks no args of M)
+            if name is not None and "tid" in e:
+                lane_names[(e["pid"], e["tid"])] = str(name)
+    rows = sorted({(e["pid"], e["tid"]) for e in evs},
+                  key=lambda row: (_id_order(row[0]), _id_order(row[1])))
     y_of = {row: len(rows) - 1 - k for k, row in enumerate(rows)}
     t0 = min((e["ts"] for e in evs), default=0.0)
     n_buckets = 1 + max((int(m.group(1)) for e in evs if (m := _BUCKET.match(e["name"]))),
