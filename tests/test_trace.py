@@ -552,6 +552,24 @@ def test_moe_phases_are_traced(dist_run, tmp_path):
         assert [at[n] for n in order] == sorted(at[n] for n in order), (pid, at)
 
 
+def test_a_training_steps_forward_and_backward_share_its_step(dist_run, tmp_path):
+    """Three steps of an MoE model: each step's forward spans (the layer's phases) carry the
+    step number of the backward that follows them, so the table counts 3 steps, not 4."""
+    path = dist_run(_traced_training, str(tmp_path), True, world_size=2)[0][1]
+    loaded = trace.load(path)
+    for pid in (0, 1):
+        steps: dict = {}
+        for e in loaded["traceEvents"]:
+            if e.get("ph") in ("X", "i") and e["pid"] == pid:
+                steps.setdefault(e["args"]["step"], set()).add(e["name"])
+        assert sorted(steps) == [1, 2, 3], (pid, sorted(steps))
+        for step, names in steps.items():
+            assert {"moe.dispatch", "moe.dispatch.bwd", "backward"} <= names, (step, names)
+    from tribucket.trace.report import summarize
+
+    assert summarize(loaded).steps == 3
+
+
 def _traced_epilogue(path):
     """One traced step of the MLP with each user of the epilogue's figures."""
     import tribucket
