@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tribucket.trace: cannot read {a.path}: {e}", file=sys.stderr)
         return 2
     if not any(ev.get("ph") in ("X", "i") for ev in trace["traceEvents"]):
-        print(f"tribucket.trace: {a.path} holds no spans: the run ended before its first "
-              f"traced forward or backward", file=sys.stderr)
+        print(f"tribucket.trace: {a.path} holds no spans: no backward ran through the "
+              f"reducer (and no MoE layer ran a forward) while it traced", file=sys.stderr)
         return 1
     print(f"tribucket trace {a.path}")
     summary = summarize(trace, per_rank=a.per_rank)
