@@ -753,7 +753,7 @@ def test_requires_grad_changed_after_entering_is_named(dist_run, change):
         assert kind == "error", f"{change}: no error (this rank's weight.grad norm: {local})"
         assert "layers.0.weight" in message, message
         if change == "unfreeze":
-            assert "require grad when fused_bucketing was entered" in message, message
+            assert "require grad when the reducer was built" in message, message
             assert "leave fused_bucketing and enter it again" in message, message
         else:
             assert "no longer require grad" in message, message

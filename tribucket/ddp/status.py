@@ -276,8 +276,9 @@ def replaced_error(names: list[str], changes: dict[str, list[str]],
     back)."""
     listed = ("; ".join(f"{change}: {_listed(ns, 10)}" for change, ns in changes.items())
               if changes else _listed(names, 10))
-    what = (f"{len(names)} parameter(s) changed dtype or device after fused_bucketing was "
-            f"entered, or were converted and back ({listed})")
+    what = (f"{len(names)} parameter(s) changed dtype or device after the reducer was built "
+            f"(fused_bucketing entered, or DistributedDataParallel built), or were converted "
+            f"and back ({listed})")
     return ((f"tribucket: {what}. " if lead else f"{what[0].upper()}{what[1:]}. ")
             + "Setting param.data to another dtype or device (model.half(), model.double(), "
             "model.to(...), also when converted back) makes torch drop each one's gradient "
@@ -291,8 +292,9 @@ def replaced_error(names: list[str], changes: dict[str, list[str]],
 def unfrozen_error(names: list[str]) -> str:
     """The error of a training forward after parameters that were frozen on entering
     ``fused_bucketing`` were set to require grad."""
-    return (f"tribucket: {len(names)} parameter(s) did not require grad when fused_bucketing "
-            f"was entered and require it now ({_listed(names, 10)}). The reducer averages the "
+    return (f"tribucket: {len(names)} parameter(s) did not require grad when the reducer "
+            "was built (fused_bucketing entered, or DistributedDataParallel built) and require "
+            f"it now ({_listed(names, 10)}). The reducer averages the "
             "parameters that required grad when it was built, so these would train on each "
             "rank's own gradient and the ranks' models would drift apart (torch DDP lets them, "
             "silently). " + _reenter("unfreezing") + " A parameter meant to train on each rank "

@@ -141,7 +141,8 @@ def _listed(names: list[str]) -> str:
 
 def changed_error(changes: list[str]) -> str:
     """The error of a training forward after the model's parameters changed since entering."""
-    return ("tribucket: the model's parameters changed after fused_bucketing was entered: "
+    return ("tribucket: the model's parameters changed after the reducer was built "
+            "(fused_bucketing entered, or DistributedDataParallel built): "
             f"{'; '.join(changes)}. The reducer averages the parameters the model held on "
             "entering, so a new one would train on each rank's own gradient and the ranks' "
             "models would drift apart (torch DDP lets them, silently), and one gone would be "
