@@ -364,31 +364,35 @@ def test_kept_gradients_are_not_overwritten(dist_run, which):
             assert intact == [True] * 4
 
 
-def _gradients_kept_across_steps(how, pack_on_ready, preallocated):
+def _gradients_kept_across_steps(how, pack_on_ready, preallocated, which="all"):
     """Four steps with zero_grad(set_to_none=False) while the loop keeps the list of .grad
     tensors (taken after the first backward, or allocated by hand before training), as a
-    hand-written clip or a gradient-norm log does. Per step: whether every .grad still is
-    the kept tensor, and the kept tensors' values."""
+    hand-written clip or a gradient-norm log does; ``which="one"``: only the gradient of one
+    parameter in the middle of the one bucket. Per step: whether every kept tensor still is
+    its parameter's .grad, and the kept tensors' values."""
     rank = dist.get_rank()
     model = build("mlp")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = list(model.parameters())
+    chosen = params if which == "all" else params[3:4]
+    cap = 0.001 if which == "all" else 25.0
     kept = None
     if preallocated:
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
-        kept = [p.grad for p in model.parameters()]
+        kept = [p.grad for p in chosen]
     if how == "ddp":
-        net, ctx = DDP(model, bucket_cap_mb=0.001), contextlib.nullcontext()
+        net, ctx = DDP(model, bucket_cap_mb=cap), contextlib.nullcontext()
     else:
-        net, ctx = model, tribucket.fused_bucketing(model, bucket_cap_mb=0.001,
+        net, ctx = model, tribucket.fused_bucketing(model, bucket_cap_mb=cap,
                                                     pack_on_ready=pack_on_ready)
     same, values = [], []
     with ctx:
         for step in range(4):
             loss_of(net(batch("mlp", rank, step))).backward()
             if kept is None:
-                kept = [p.grad for p in model.parameters()]
-            same.append(all(p.grad is g for p, g in zip(model.parameters(), kept)))
+                kept = [p.grad for p in chosen]
+            same.append(all(p.grad is g for p, g in zip(chosen, kept)))
             values.append(torch.cat([g.reshape(-1) for g in kept]).clone())
             opt.step()
             opt.zero_grad(set_to_none=False)
@@ -397,13 +401,15 @@ def _gradients_kept_across_steps(how, pack_on_ready, preallocated):
 
 @pytest.mark.parametrize("pack_on_ready", [True, False])
 @pytest.mark.parametrize("preallocated", [False, True])
+@pytest.mark.parametrize("which", ["all", "one"])
 def test_gradient_tensors_kept_across_steps_receive_the_average(dist_run, pack_on_ready,
-                                                                 preallocated):
+                                                                 preallocated, which):
     """With zero_grad(set_to_none=False), DDP writes the average into the same .grad tensors
-    every step: a list of them kept by the loop stays the gradients (through the rebuild
-    too), and never holds this rank's own gradient."""
-    ddp = dist_run(_gradients_kept_across_steps, "ddp", None, preallocated)
-    mine = dist_run(_gradients_kept_across_steps, "tribucket", pack_on_ready, preallocated)
+    every step: a list of them kept by the loop (or one of them) stays the gradients
+    (through the rebuild too), and never holds this rank's own gradient."""
+    ddp = dist_run(_gradients_kept_across_steps, "ddp", None, preallocated, which)
+    mine = dist_run(_gradients_kept_across_steps, "tribucket", pack_on_ready, preallocated,
+                    which)
     for (d_same, d_values), (same, values) in zip(ddp, mine):
         assert d_same == [True] * 4
         assert same == [True] * 4, same

@@ -16,7 +16,8 @@ saves one full pass over the bucket. What happens next depends on what the user 
   hand-written clip or a norm log reads), autograd accumulates into them and they are not
   views of this bucket: the average is then written into them, as DDP does, instead of
   lending the bucket (which would leave them holding this rank's own gradient). Whether a
-  tensor is kept is read from its reference count, once per bucket and pass.
+  ``.grad`` is kept is read from its reference count (~0.1 us) where the reducer would
+  point ``.grad`` elsewhere; a view taken of a ``.grad`` (``g[:1]``) does not count.
 
 ``gradient_as_bucket_view=True`` keeps DDP's contract instead: the bucket always backs the
 ``.grad`` views and is reused whatever the user holds.
@@ -76,7 +77,7 @@ class BucketMemory:
                  "lent", "eager", "_ptr_offsets", "_contiguous", "_gaps", "_base_count",
                  "_mode", "_copied", "_checked", "_checked_unpack", "tail", "_dense",
                  "_packed", "_views", "_views_of", "_views_count", "_whole", "_scale",
-                 "_strides", "_lendable", "keep")
+                 "_strides", "_lendable", "_kept")
 
     def __init__(self, bucket: Bucket, params: list[torch.Tensor], wire_dtype: torch.dtype,
                  plan, always_view: bool, eager: bool = False, tail: int = 0,
@@ -124,7 +125,7 @@ class BucketMemory:
         self._views_count = 0
         self._whole = False  # the last finish lent the buffer whole: .grad are _views
         self._scale: tuple[float, torch.Tensor] | None = None  # (factor, as 0-dim float32)
-        self.keep = False  # this pass: the .grad tensors are the user's, kept (module doc)
+        self._kept = False  # this pass: a .grad the user keeps was left in place (eager)
 
     @staticmethod
     def _gap_index(bucket: Bucket) -> torch.Tensor | None:
@@ -237,17 +238,19 @@ class BucketMemory:
                 and g.data_ptr() == buf.data_ptr() + self._ptr_offsets[k])
 
     def _held(self, k: int, ours: int) -> bool:
-        """Whether parameter ``k``'s ``.grad`` (not a view of the buffers) is referenced
-        beyond the parameter, this bucket's cached views and the ``ours`` references of
-        the caller: kept by the user across steps (see the module docstring)."""
-        if not self.transfer or self.always_view:
-            return False  # (not lent: unpacked into the .grad tensors; or DDP's views)
+        """Whether parameter ``k``'s ``.grad`` is referenced beyond the parameter, this
+        bucket's cached view of it and the ``ours`` references of the caller: kept by the
+        user across steps (see the module docstring)."""
         g = self.params[k].grad
         if g is None:
             return False
         views = self._views
-        mine = ours + 1 + (views is not None and any(v is g for v in views))  # (+1: g)
+        mine = ours + 1 + (views is not None and views[k] is g)  # (+1: g)
         return sys.getrefcount(g) > _ALONE + mine
+
+    def _any_held(self) -> bool:
+        """Whether the user keeps any of the bucket's ``.grad`` (:meth:`_held`)."""
+        return any(self._held(k, 0) for k in range(len(self.params)))
 
     def _acquire(self) -> torch.Tensor:
         """The buffer this pass packs into: the lent one if nothing else holds it."""
@@ -270,7 +273,6 @@ class BucketMemory:
             else:
                 self._acquire()
                 self._mode = "copy"
-                self.keep = self._held(k, 1)  # (1: the argument g)
         buf = self.active
         if g is None or self.is_view(k, g, buf):
             view = buf.narrow(0, self.bucket.offsets[k], self.bucket.sizes[k])
@@ -290,7 +292,11 @@ class BucketMemory:
                 torch.mul(g, self._factor(scale), out=slot)
             else:
                 torch.mul(g, scale, out=slot)  # fp32 math, one rounding cast
-            if self.transfer and self._lendable[k] and not self.keep:
+            if not (self.transfer and self._lendable[k]):
+                pass
+            elif not self.always_view and self._held(k, 1):  # (1: the argument g) the
+                self._kept = True  # user keeps it: left in place, the average copied back
+            else:
                 # point .grad at its slot now, as DDP does: autograd's tensor is freed at once
                 # and its memory is reused (still in cache) by the next gradient
                 self.params[k].grad = slot
@@ -320,10 +326,6 @@ class BucketMemory:
             if scale != 1.0:
                 lent.mul_(scale)
             return lent
-        for k in range(len(grads)):  # the first gradient tells whether the user keeps them
-            if grads[k] is not None:
-                self.keep = self._held(k, 1)  # (1: the list)
-                break
         buf = self._acquire()
         if not self._dense:
             # the kernels take dense, contiguous sources: a channels_last gradient in the
@@ -346,21 +348,24 @@ class BucketMemory:
         """
         buf = self.active
         packed, self._packed = self._packed, False
-        keep, self.keep = self.keep, False
+        kept, self._kept = self._kept, False
         self._whole = False
         if self.transfer and buf is not None and result.data_ptr() == buf.data_ptr() \
                 and result.dtype == buf.dtype:
             # lent whole: a buffer packed in one call (its cached views become .grad in one
             # loop), or one whose every .grad already is its cached view (copied in as each
             # gradient arrived, or accumulated there by autograd)
-            if all_targets and self._dense and not keep and (packed or (buf is self._views_of and all(
+            if all_targets and self._dense and not kept and (packed or (buf is self._views_of and all(
                     map(operator.is_, map(_grad_of, self.params), self._views)))):
                 self.plan.forget(self.body(buf))
-                if packed:
+                if packed and not self._any_held():
                     for q, v in zip(self.params, self._whole_views(buf)):
                         q.grad = v
-                self.lent, self.active, self._whole = buf, None, True
-                return False
+                    self.lent, self.active, self._whole = buf, None, True
+                    return False
+                if not packed:
+                    self.lent, self.active, self._whole = buf, None, True
+                    return False
             for k, q in enumerate(self.params):
                 if not targets[k]:
                     continue  # unused on every rank: .grad is left as it was
@@ -368,7 +373,7 @@ class BucketMemory:
                 if self.is_view(k, g, buf):
                     continue
                 view = self.slot(buf, k)
-                if keep and g is not None:
+                if g is not None and not self.always_view and self._held(k, 1):  # (1: g)
                     g.copy_(view)  # the user's tensor stays the gradient (DDP's contract)
                 elif self._lendable[k] or self.always_view:
                     q.grad = view
@@ -417,4 +422,4 @@ class BucketMemory:
 
     def reset(self) -> None:
         self.active = self.lent = self._views = self._views_of = None
-        self._whole = self.keep = False
+        self._whole = self._kept = False
