@@ -855,10 +855,12 @@ def test_parameters_set_after_entering_are_named(dist_run, change, named):
         assert spread < 1e-6, f"{change}: after entering again the ranks' gradients differ"
 
 
-def _functional_call_steps(how):
+def _functional_call_steps(how, kind="computed"):
     """Three MAML-like steps: the outer forward runs through torch.func.functional_call with
     weights computed from the model's own (the tensors it swaps into the modules for the
-    call are not parameters: their gradients flow back to the model's). ``how``: "ddp" or
+    call are not parameters: their gradients flow back to the model's). ``kind="teacher"``:
+    a plain step plus a forward through functional_call with a frozen copy's parameters
+    (nn.Parameter objects of another model, as a teacher or an EMA). ``how``: "ddp" or
     "tribucket". The first layer's weight after the steps."""
     from torch.func import functional_call
 
@@ -871,7 +873,18 @@ def _functional_call_steps(how):
         net, ctx = model, tribucket.fused_bucketing(model, timeout=TIMEOUT)
         ctx.__enter__()
     try:
+        teacher = {k: torch.nn.Parameter(v.detach() * 0.5, requires_grad=False)
+                   for k, v in net.named_parameters()}
         for step in range(3):
+            if kind == "teacher":
+                out = net(batch("mlp", rank, step))
+                with torch.no_grad():
+                    target = functional_call(net, teacher, (batch("mlp", rank, step),))
+                guide = functional_call(net, teacher, (batch("mlp", rank, step + 5),))
+                ((out - target).square().mean() + guide.mean() * 0).backward()
+                opt.step()
+                opt.zero_grad()
+                continue
             params = dict(net.named_parameters())
             inner = loss_of(functional_call(net, params, (batch("mlp", rank, step),)))
             grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
@@ -885,12 +898,13 @@ def _functional_call_steps(how):
     return model.layers[0].weight.detach().clone()
 
 
-def test_functional_call_with_computed_weights_trains_as_ddp(dist_run):
+@pytest.mark.parametrize("kind", ["computed", "teacher"])
+def test_functional_call_with_computed_weights_trains_as_ddp(dist_run, kind):
     """torch.func.functional_call swaps tensors into the modules' _parameters for one call,
-    past torch's registration hooks (MAML's fast weights, weight noise): no change to what
-    is averaged; the steps equal DDP's on every rank."""
-    ddp = dist_run(_functional_call_steps, "ddp")
-    mine = dist_run(_functional_call_steps, "tribucket")
+    past torch's registration hooks (MAML's fast weights, weight noise, a teacher's
+    parameters): no change to what is averaged; the steps equal DDP's on every rank."""
+    ddp = dist_run(_functional_call_steps, "ddp", kind)
+    mine = dist_run(_functional_call_steps, "tribucket", kind)
     for d, m in zip(ddp, mine):
         assert (d - m).abs().max().item() < 1e-6, (d - m).abs().max().item()
     assert torch.equal(mine[0], mine[1])

@@ -11,14 +11,17 @@ write into the container's ``_modules`` themselves, past those hooks: the forwar
 compares the containers' lengths (a few integers). ``model.to(...)`` under torch's
 ``set_overwrite_module_params_on_conversion(True)`` replaces every parameter in its module's
 ``_parameters`` dictionary, past those hooks too: the forward also looks up the first and
-the last averaged parameter where they were (two dictionary lookups). A plain tensor found
-in a module's ``_parameters`` is ``torch.func.functional_call``'s, swapped in for one call
-(MAML's fast weights, computed from the parameters: their gradients reach the parameters):
-no change. Other writes into a module's ``_modules`` or ``_parameters`` dictionaries
+the last averaged parameter where they were (two dictionary lookups). What
+``torch.func.functional_call`` swaps in for one call (MAML's fast weights, computed from the
+parameters, whose gradients reach them; a teacher's parameters) is no change: the check is
+left for the first forward outside such a call (a miss inside one looks up the calling
+frames), and a plain tensor found in ``_parameters`` is never taken for a parameter. Other
+writes into a module's ``_modules`` or ``_parameters`` dictionaries
 themselves are not seen."""
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 from torch import nn
@@ -93,7 +96,12 @@ class Watch:
 
     def check(self) -> list[str]:
         """Compare the model's parameters with those on entering (after a registration):
-        new ones that train, and averaged ones no longer in the model."""
+        new ones that train, and averaged ones no longer in the model. Inside a
+        ``functional_call`` nothing is compared (what it swapped in leaves after the call):
+        the next forward outside one compares."""
+        if _in_functional_call():
+            self.touched = True
+            return []
         self.touched = False
         model = self.model()
         if model is None:
@@ -126,6 +134,19 @@ class Watch:
         for m, watches in list(_OWNERS.items()):
             if watches.pop(self, None) is not None and not watches:
                 _OWNERS.pop(m, None)
+
+
+def _in_functional_call() -> bool:
+    """Whether a frame of torch's ``functional_call`` (``torch.func.functional_call`` and
+    ``torch.nn.utils.stateless.functional_call`` both run the module inside
+    ``stateless._functional_call``) is on the stack."""
+    f = sys._getframe(1)
+    while f is not None:
+        code = f.f_code
+        if code.co_name == "_functional_call" and code.co_filename.endswith("stateless.py"):
+            return True
+        f = f.f_back
+    return False
 
 
 def _touched(module: nn.Module, name: str, value) -> None:
