@@ -570,6 +570,55 @@ def test_a_training_steps_forward_and_backward_share_its_step(dist_run, tmp_path
     assert summarize(loaded).steps == 3
 
 
+def _traced_accumulation(path):
+    """An MoE model, 3 optimizer steps of 3 micro-batches (the first two under no_sync),
+    each followed by an evaluation forward in eval mode with gradients on (no backward)."""
+    import contextlib
+
+    import tribucket
+    from tribucket.moe import MoELayer
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), MoELayer(
+        [torch.nn.Linear(16, 16) for _ in range(2)], 4, 16, top_k=2, name="moe0"))
+    with tribucket.fused_bucketing(model, trace=path) as reducer:
+        for step in range(3):
+            for micro in range(3):
+                x = torch.randn(8, 16, generator=torch.Generator().manual_seed(
+                    rank + 10 * step + 100 * micro))
+                with reducer.no_sync() if micro < 2 else contextlib.nullcontext():
+                    model(x).square().mean().backward()
+            model.eval()
+            model(torch.randn(8, 16))  # gradients on, no backward
+            model.train()
+            model.zero_grad()
+    return reducer.trace_path
+
+
+def test_micro_batches_and_evaluation_forwards_belong_to_their_step(dist_run, tmp_path):
+    """Under no_sync every micro-batch's forward belongs to the optimizer step whose
+    synchronised backward follows (one step per synchronised pass, as the trace's contract
+    says), and an evaluation forward makes no step of its own."""
+    from tribucket.trace.report import summarize
+
+    path = dist_run(_traced_accumulation, str(tmp_path), world_size=2)[0]
+    loaded = trace.load(path)
+    for pid in (0, 1):
+        dispatches: dict = {}
+        buckets = set()
+        for e in loaded["traceEvents"]:
+            if e.get("ph") == "X" and e["pid"] == pid:
+                if e["name"] == "moe.dispatch":
+                    dispatches[e["args"]["step"]] = dispatches.get(e["args"]["step"], 0) + 1
+                elif e["name"].startswith("bucket"):
+                    buckets.add(e["args"]["step"])
+        assert sorted(buckets) == [1, 2, 3], (pid, sorted(buckets))
+        # three micro-batches per step, and each step's evaluation forward after it
+        assert dispatches == {1: 4, 2: 4, 3: 4}, (pid, dispatches)
+    assert summarize(loaded).steps == 3
+
+
 def _traced_epilogue(path):
     """One traced step of the MLP with each user of the epilogue's figures."""
     import tribucket

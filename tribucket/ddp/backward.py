@@ -95,6 +95,7 @@ class Backward(Settle):
         self.agree_pending = self.world_size > 1  # compare hook and state at 1st backward
         self.passes = 0                        # backward passes begun (synced or not): the
         # iteration number that fingerprints and failure reports use, equal on every rank
+        self.synced = 0                        # synchronised passes begun: the trace's step
         self.join_work = None                  # Join: the notify allreduce (ranks active)
         self.join_active = None                # Join: ranks still training, as counted by
         # the forward's sync-flag allreduce (for a reducer that is not the first joinable)
@@ -221,8 +222,9 @@ class Backward(Settle):
             bucket.reset()
             bucket.t_first = stamp
         self.guard.mark_progress(p.iteration)
+        self.synced += 1
         if self.comm.tracer is not None:
-            self.comm.tracer.next_step(p.iteration)
+            self.comm.tracer.next_step(self.synced)
         work, self.join_work = self.join_work, None
         active, self.join_active = self.join_active, None
         if not self.comm.traits.prescale:

@@ -95,8 +95,11 @@ class Forward:
         if self.step_boundary is not None and bw.pass_ is None:
             self.step_boundary()
         self.guard.step = bw.forwards
-        if bw.comm.tracer is not None:  # this forward's spans (an MoE layer's) belong to the
-            bw.comm.tracer.next_step(bw.passes + 1)  # step its backward begins
+        if bw.comm.tracer is not None and module.training:
+            # this forward's spans (an MoE layer's) belong to the step of the synchronised
+            # backward that follows (micro-batches under no_sync too); an evaluation
+            # forward's stay in the step before
+            bw.comm.tracer.next_step(bw.synced + 1)
         if joining:
             bw.join_work = Join.notify_join_context(self.joinable)
         if self.require_param_sync:

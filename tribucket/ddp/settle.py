@@ -31,8 +31,9 @@ class Settle:
         p = Pass(True, len(self.params), self.passes)
         p.shadow = failed is None
         p.errors += [failed] if failed else []  # (before the launch: the status rides it)
+        self.synced += 1
         if self.comm.tracer is not None:  # (the step of the ranks still training)
-            self.comm.tracer.next_step(p.iteration)
+            self.comm.tracer.next_step(self.synced)
         for bucket in self.buckets:
             bucket.reset()
             bucket.launch(p, self.comm, zeros=True)

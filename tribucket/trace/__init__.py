@@ -22,7 +22,9 @@ aligned across ranks at close (see :mod:`tribucket.trace.chrome`). ``i`` below i
 bucket's index in reduction order; ``bytes`` is the bucket's size on the wire (elements x
 the wire dtype's size).
 
-Reducer, once per synchronised backward pass (its iteration is the step):
+Reducer, once per synchronised backward pass (the step counts them; a training forward's
+events, an MoE layer's, belong to the step of the synchronised pass that follows it,
+micro-batches under ``no_sync`` included; an evaluation forward's to the step before):
 
 =========================  =========  =================================================
 name                       lane       what, and its args
