@@ -141,11 +141,14 @@ def combine_rows(out_RD: torch.Tensor, u: UniqueRows, *, flags: bool,
     """The rows to return: each received row's weighted sum over its local experts (fp32),
     with a zero flag row after each rank's block when ``flags``."""
     r = u.recv
+    # taken out of the plan: the weights carry the step's graph, which holds the plan
+    # (_PackRows' ctx), a cycle reference counting alone would never free
+    w_VK = r.pop("w_VK")
     if not flags:
-        return unpermute_tokens(out_RD, r["dest_VK"], r["w_VK"], backend=backend,
+        return unpermute_tokens(out_RD, r["dest_VK"], w_VK, backend=backend,
                                 slot_N=r["slot_R"])
     # the "tokens" are the rows to return, flag rows included (they get no slot: zero)
-    w_BK = r["w_VK"].new_zeros(r["dest_BK"].shape).index_copy(0, r["into_B"], r["w_VK"])
+    w_BK = w_VK.new_zeros(r["dest_BK"].shape).index_copy(0, r["into_B"], w_VK)
     return unpermute_tokens(out_RD, r["dest_BK"], w_BK, backend=backend, slot_N=r["slot_RB"])
 
 
