@@ -831,17 +831,23 @@ def test_activation_checkpointing_of_the_layer_trains_as_without(dist_run):
                                            msg=lambda m: f"{case} {name}: {m}")
 
 
-def _bias_counts(pattern: str):
+def _bias_counts(pattern: str, options: dict | None = None):
     """The token-slots the routing bias counted over two accumulated micro-batches, run as
     ``pattern`` says, and the same two micro-batches run plainly (one forward and backward
-    each), on the same layer weights: ``(counted, plain)``."""
+    each), on the same layer weights (``options``: the layer's, ``shared`` for a shared
+    expert): ``(counted, plain)``."""
+    import datetime
+
     from torch.utils.checkpoint import checkpoint
     rank, W = dist.get_rank(), dist.get_world_size()
+    kw = dict(options or {})
+    shared = SwiGLUExpert(D, F) if kw.pop("shared", False) else None
 
     def run(how: str) -> list[int]:
         torch.manual_seed(0)
         layer = MoELayer([SwiGLUExpert(D, F) for _ in range(2)], 2 * W, D, top_k=2,
-                         bias_update_rate=0.01)
+                         bias_update_rate=0.01, shared_experts=copy.deepcopy(shared),
+                         timeout=datetime.timedelta(seconds=10), **kw)
         for micro in range(2):
             x, _ = _tokens(micro, rank, 7 + 2 * rank + 3 * micro)
             x.requires_grad_(True)
@@ -861,10 +867,18 @@ def _bias_counts(pattern: str):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("pattern", ["checkpoint first", "reentrant", "no_grad forward"])
-def test_the_routing_bias_counts_each_trained_micro_batch_once(dist_run, pattern):
+@pytest.mark.parametrize("pattern,options", [
+    ("checkpoint first", None), ("reentrant", None), ("no_grad forward", None),
+    # layers whose backward runs graphs of their own (the shared experts beside the
+    # exchange, the pairwise pipeline's chunks, shadow experts): the checkpoint's
+    # recompute must run once, not once per such graph (each with its exchanges)
+    ("checkpoint first", {"shared": True}),
+    ("checkpoint first", {"schedule": "pairwise", "group_size": 2}),
+    ("checkpoint first", {"schedule": "pairwise", "group_size": 2, "shadow_policy": {0}}),
+    ("checkpoint first", {"shadow_policy": {1}, "shared": True})])
+def test_the_routing_bias_counts_each_trained_micro_batch_once(dist_run, pattern, options):
     # an activation checkpoint of some micro-batches only must not weigh them twice, and a
     # forward without autograd (an EMA target, a look at the routing) trains nothing
-    for counted, plain in dist_run(_bias_counts, pattern, world_size=2, timeout=60):
+    for counted, plain in dist_run(_bias_counts, pattern, options, world_size=2, timeout=60):
         assert sum(plain) > 0
         assert counted == plain, (pattern, counted, plain)

@@ -119,6 +119,19 @@ def all_to_all(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequenc
     return _AllToAll.apply(x, send_splits, recv_splits, group)
 
 
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def own_graph():
+    """Saved-tensor hooks that keep what a graph built inside a forward (and differentiated
+    by ``autograd.grad`` in its backward) saves as it is. Without them an enclosing
+    activation checkpoint (``use_reentrant=False``) would drop those tensors and recompute
+    its whole region once per such ``autograd.grad`` (each a graph task of its own), every
+    collective of the region included; with them it recomputes once."""
+    return torch.autograd.graph.saved_tensors_hooks(_kept, _kept)
+
+
 def all_to_all_beside(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
                       beside, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, object]:
     """:func:`all_to_all` of ``x`` and, when ``beside = (side, side_x, side_params)``,
@@ -161,7 +174,7 @@ class _ExchangeBeside(torch.autograd.Function):
         send_splits, recv_splits, group = how
         recv_RD, work = start_exchange(send_ND, send_splits, recv_splits, group)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), own_graph():
                 x_in = side_x.detach().requires_grad_(side_x.requires_grad)
                 out = side(x_in)
         finally:  # the exchange completes on every rank, whatever the side computation did

@@ -56,6 +56,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..comm import ranks_reporting
+from ..comm.alltoall import own_graph
 from .dispatcher import DispatchMeta
 
 __all__ = ["exchange_groups", "pairwise_steps", "pipelined_experts"]
@@ -480,7 +481,8 @@ class _PipelinedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, engine: _Pipeline, send_ND, *params):
         ctx.engine = engine
-        return engine.forward(send_ND, build_graph=True, need_x=ctx.needs_input_grad[1])
+        with own_graph():  # (differentiated in backward by autograd.grad, chunk by chunk)
+            return engine.forward(send_ND, build_graph=True, need_x=ctx.needs_input_grad[1])
 
     @staticmethod
     def backward(ctx, grad_back_ND):
