@@ -355,8 +355,9 @@ class BucketMemory:
             # lent whole: a buffer packed in one call (its cached views become .grad in one
             # loop), or one whose every .grad already is its cached view (copied in as each
             # gradient arrived, or accumulated there by autograd)
-            if all_targets and self._dense and not kept and (packed or (buf is self._views_of and all(
-                    map(operator.is_, map(_grad_of, self.params), self._views)))):
+            if all_targets and self._dense and not kept and (packed or (
+                    buf is self._views_of and all(
+                        map(operator.is_, map(_grad_of, self.params), self._views)))):
                 self.plan.forget(self.body(buf))
                 if packed and not self._any_held():
                     for q, v in zip(self.params, self._whole_views(buf)):

@@ -16,8 +16,8 @@ the last averaged parameter where they were (two dictionary lookups). What
 parameters, whose gradients reach them; a teacher's parameters) is no change: the check is
 left for the first forward outside such a call (a miss inside one looks up the calling
 frames), and a plain tensor found in ``_parameters`` is never taken for a parameter. Other
-writes into a module's ``_modules`` or ``_parameters`` dictionaries
-themselves are not seen."""
+writes into a module's ``_modules`` or ``_parameters`` dictionaries themselves are not
+seen."""
 
 from __future__ import annotations
 

@@ -196,7 +196,8 @@ def _ms(us: float | None) -> str:
 def format_table(s: Summary, per_rank: bool = False) -> str:
     how = "per rank" if per_rank else "max over ranks"
     lines = [f"{len(s.ranks)} rank(s), {s.steps} step(s); medians over the {len(s.used_steps)} "
-             f"step(s) with the final layout ({_count(len({r.bucket for r in s.rows}), 'bucket')}), "
+             f"step(s) with the final layout "
+             f"({_count(len({r.bucket for r in s.rows}), 'bucket')}), "
              f"{how}"]
     head = (["rank"] if per_rank else []) + ["bucket", "bytes", "ready->launch", "in flight",
                                              "exposed", "share of step"]
