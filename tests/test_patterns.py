@@ -476,6 +476,47 @@ def test_unusual_parameters_train_as_with_ddp(dist_run, case, view, api):
     assert all(dist_run(_odd_parameters_train, case, view, api, world_size=2, timeout=60))
 
 
+def _odd_gradients_kept(case: str):
+    """Three steps with zero_grad(set_to_none=False) while the loop keeps the .grad tensors
+    from the first step on, under DDP and under fused_bucketing: per step, whether each kept
+    tensor still is its .grad, and the largest difference between the two runs' kept
+    gradients."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    mine, theirs = OddParameters(case, 10 + rank), OddParameters(case, 10 + rank)
+    theirs.load_state_dict(mine.state_dict())
+    ddp = DDP(theirs)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (mine, theirs)]
+    kept: dict = {}
+    out = []
+    with tribucket.fused_bucketing(mine):
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+            for name, m, model in (("mine", mine, mine), ("ddp", ddp, theirs)):
+                m(x).square().mean().backward()
+                grads = kept.setdefault(name, [p.grad for p in model.parameters()])
+                same = all(p.grad is g for p, g in zip(model.parameters(), grads))
+                out.append((name, step, same))
+            diff = max((a - b).abs().max().item() for a, b in zip(kept["mine"], kept["ddp"]))
+            out.append(("diff", step, diff))
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+    return out
+
+
+@pytest.mark.parametrize("case", ["gapped", "complex"])
+def test_unusual_parameters_kept_gradients_stay_the_gradients(dist_run, case):
+    # with set_to_none=False DDP writes the average into the same .grad tensors; a complex
+    # parameter's own bucket must too
+    for rows in dist_run(_odd_gradients_kept, case, world_size=2, timeout=60):
+        for name, step, value in rows:
+            if name == "diff":
+                assert value < 1e-6, (case, step, value)
+            else:
+                assert value is True, (case, name, step)
+
+
 def _entry_refusal(model: nn.Module, **options) -> str | None:
     """The ValueError that entering fused_bucketing(model, **options) raises, or None."""
     try:

@@ -329,7 +329,12 @@ class SparseBucket(_BucketBase):
             param = self.params[0]
             if param.is_complex() and not result.is_complex():
                 result = torch.view_as_complex(result)  # a hook's collective: viewed as real
-            param.grad = result
+            g = param.grad
+            if (g is not None and g is not result and not g.is_sparse and not result.is_sparse
+                    and g.shape == result.shape and g.dtype == result.dtype):
+                g.copy_(result)  # the .grad tensor stays the gradient (a loop may keep it)
+            else:
+                param.grad = result
         return False  # no figures for a lone bucket (clipping falls back to torch)
 
 
