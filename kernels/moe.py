@@ -382,6 +382,21 @@ def moe_unpermute_backward(grad_y_TD: torch.Tensor, rows_ND: torch.Tensor, dest_
 # ---------------------------------------------------------------------------------------
 # autograd
 # ---------------------------------------------------------------------------------------
+def first_order_only() -> None:
+    """Raise in an MoE autograd function's backward run with ``create_graph=True``.
+
+    The layer's backward is first order (its custom functions compute their gradients
+    without a graph): second-order gradients through it would be wrong (the experts' None,
+    the input's off). Every rank runs the same backward, so every rank raises here."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "tribucket's MoE layer does not support a double backward: a backward or "
+            "torch.autograd.grad with create_graph=True through an MoE layer (a gradient "
+            "penalty, MAML's second-order terms) would give wrong second-order gradients. "
+            "Take the penalty with respect to a part of the model without MoE layers, or use "
+            "first-order gradients (create_graph=False)")
+
+
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, dest_TK, num_rows, backend, slot_N):
@@ -395,6 +410,7 @@ class _Permute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out_ND):
+        first_order_only()
         (index,) = ctx.saved_tensors
         # every copy of token t sends its gradient back: an unweighted unpermute
         if ctx.by_rows:
@@ -421,6 +437,7 @@ class _Unpermute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y_TD):
+        first_order_only()
         rows_ND, index, weights_TK = ctx.saved_tensors
         if ctx.by_rows:
             grad_rows_ND, grad_w_TK = moe_unpermute_backward_rows(

@@ -514,6 +514,38 @@ DEDUP_PARITY = [dict(case, dedup=True, deduplicated=True, seed=case["seed"] + 10
          tokens=[0, 6])]
 
 
+def _gradient_penalty(options):
+    """``torch.autograd.grad(..., create_graph=True)`` through the layer (a gradient
+    penalty): the error's message, or None if it ran."""
+    import datetime
+
+    kw = dict(options)
+    shared = SwiGLUExpert(D, F) if kw.pop("shared", False) else None
+    torch.manual_seed(0)
+    layer = MoELayer([SwiGLUExpert(D, F) for _ in range(2)], 2 * dist.get_world_size(), D,
+                     top_k=2, shared_experts=shared, timeout=datetime.timedelta(seconds=10),
+                     **kw)
+    x = torch.randn(8, D, requires_grad=True)
+    try:
+        g, = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+        g.square().sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("options", [{}, {"dedup": True}, {"shared": True},
+                                     {"schedule": "pairwise", "group_size": 2}])
+def test_a_double_backward_through_the_layer_is_refused(dist_run, options):
+    """The layer's backward is first order: second-order gradients through it (a gradient
+    penalty) were wrong without an error (dedup: the experts' None, x's off by 0.8) or
+    failed in an unrelated in-place check. Refused on every rank, naming the cause."""
+    for message in dist_run(_gradient_penalty, options, world_size=2, timeout=60):
+        assert message is not None and "create_graph=True" in message, message
+        assert "MoE" in message, message
+
+
 def _freed_after_steps(dedup, backward):
     """Three steps of a layer; whether each step's input (and with it its graph) is freed by
     reference counting once the step's names are dropped (no garbage collection)."""

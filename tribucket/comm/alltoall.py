@@ -184,6 +184,8 @@ class _ExchangeBeside(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_recv_RD, grad_side):
+        from ..kernels.moe import first_order_only  # (the shared experts beside an MoE
+        first_order_only()  # layer's exchange: its backward is first order)
         send_splits, recv_splits, group = ctx.how
         grad_send_ND, work = start_exchange(grad_recv_RD, recv_splits, send_splits, group)
         try:

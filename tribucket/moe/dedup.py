@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.moe import (_use_triton, host_ints, moe_unpermute, moe_unpermute_rows,
-                           permute_tokens, unpermute_tokens)
+from ..kernels.moe import (_use_triton, first_order_only, host_ints, moe_unpermute,
+                           moe_unpermute_rows, permute_tokens, unpermute_tokens)
 from ._slots import _kept_slots
 
 __all__ = ["UniqueRows"]
@@ -202,6 +202,7 @@ class _PackRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_UC):
+        first_order_only()
         u, (T, K, D) = ctx.u, ctx.shape
         W, half = u.dest_TW.shape[1], u.weight_cols
         grad_x = grad_w = None
@@ -233,6 +234,7 @@ class _UnpackRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x_VD, grad_w_VK):
+        first_order_only()
         shape, D, weight_cols, dtype = ctx.layout
         device = (grad_x_VD if grad_x_VD is not None else grad_w_VK).device
         grad = torch.empty(shape, dtype=dtype, device=device)
@@ -260,6 +262,7 @@ class _SumRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y_TD):
+        first_order_only()
         (tok_B,) = ctx.saved_tensors
         padded = torch.nn.functional.pad(grad_y_TD, (0, 0, 0, 1))
         return padded.index_select(0, tok_B).to(ctx.dtype), None, None

@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_to_all, all_to_all_beside, exchange_counts, group_rank_and_size
-from ..kernels.moe import _use_triton, moe_counts, permute_tokens, unpermute_tokens
+from ..kernels.moe import (_use_triton, first_order_only, moe_counts, permute_tokens,
+                           unpermute_tokens)
 from . import dedup as _dedup
 from ._slots import _kept_slots, _route
 from .dedup import UniqueRows
@@ -692,6 +693,7 @@ class _Regroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads_L):
+        first_order_only()
         counts_WL = ctx.counts_WL
         W, L = len(counts_WL), len(counts_WL[0])
         by_expert = [g.split([counts_WL[w][l] for w in range(W)]) for l, g in enumerate(grads_L)]
