@@ -397,6 +397,16 @@ def first_order_only() -> None:
             "first-order gradients (create_graph=False)")
 
 
+def freed_graph_error() -> RuntimeError:
+    """The error of a second backward through the graphs an MoE layer frees after the first
+    (its shared experts beside the exchange, the pairwise pipeline's chunks)."""
+    return RuntimeError(
+        "Trying to backward through an MoE layer a second time (retain_graph=True): the "
+        "layer frees the graphs of its shared experts and of the pairwise schedule's "
+        "pipeline after the first backward. Run the forward again for another backward, "
+        "or add the losses and call backward once")
+
+
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, dest_TK, num_rows, backend, slot_N):

@@ -546,6 +546,36 @@ def test_a_double_backward_through_the_layer_is_refused(dist_run, options):
         assert "MoE" in message, message
 
 
+def _backward_twice(options):
+    """Two backwards through one forward (``retain_graph=True``): the second's error, or
+    None if it ran."""
+    import datetime
+
+    kw = dict(options)
+    shared = SwiGLUExpert(D, F) if kw.pop("shared", False) else None
+    torch.manual_seed(0)
+    layer = MoELayer([SwiGLUExpert(D, F) for _ in range(2)], 2 * dist.get_world_size(), D,
+                     top_k=2, shared_experts=shared, timeout=datetime.timedelta(seconds=10),
+                     **kw)
+    y = layer(torch.randn(8, D, requires_grad=True))
+    y.sum().backward(retain_graph=True)
+    try:
+        y.sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("options", [{"shared": True}, {"schedule": "pairwise",
+                                                         "group_size": 2}])
+def test_a_second_backward_through_graphs_the_layer_freed_is_named(dist_run, options):
+    # the layer frees its own graphs (shared experts beside the exchange, the pipeline's
+    # chunks) after the first backward: the second was an AttributeError on None
+    for message in dist_run(_backward_twice, options, world_size=2, timeout=60):
+        assert message is not None and "second time" in message, message
+
+
 def _freed_after_steps(dedup, backward):
     """Three steps of a layer; whether each step's input (and with it its graph) is freed by
     reference counting once the step's names are dropped (no garbage collection)."""

@@ -184,8 +184,10 @@ class _ExchangeBeside(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_recv_RD, grad_side):
-        from ..kernels.moe import first_order_only  # (the shared experts beside an MoE
-        first_order_only()  # layer's exchange: its backward is first order)
+        from ..kernels.moe import first_order_only, freed_graph_error  # (an MoE layer's
+        first_order_only()  # shared experts beside its exchange: first order, freed once)
+        if ctx.out is None:
+            raise freed_graph_error()
         send_splits, recv_splits, group = ctx.how
         grad_send_ND, work = start_exchange(grad_recv_RD, recv_splits, send_splits, group)
         try:

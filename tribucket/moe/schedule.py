@@ -57,7 +57,7 @@ from torch.func import functional_call
 
 from ..comm import ranks_reporting
 from ..comm.alltoall import own_graph
-from ..kernels.moe import first_order_only
+from ..kernels.moe import first_order_only, freed_graph_error
 from .dispatcher import DispatchMeta
 
 __all__ = ["exchange_groups", "pairwise_steps", "pipelined_experts"]
@@ -489,6 +489,8 @@ class _PipelinedExperts(torch.autograd.Function):
     def backward(ctx, grad_back_ND):
         first_order_only()
         engine = ctx.engine
+        if engine is None:
+            raise freed_graph_error()
         ctx.engine = None  # the saved graphs go with it
         grad_send, grads = engine.backward(grad_back_ND, ctx.needs_input_grad[2:])
         return (None, grad_send, *grads)
