@@ -506,19 +506,26 @@ def _unfreezing_loop(blocks, powersgd=None) -> nn.Module:
     return reference
 
 
-def _progressive_unfreezing() -> dict:
-    """Lightning's BaseFinetuning unfreezing the backbone at epoch 1 under the strategy,
-    against the loop a user writes for it (leave fused_bucketing, unfreeze, add the param
-    group, enter again): the same bits."""
+def _fit_like_the_loop(strategy, blocks, powersgd=None) -> dict:
+    """Three epochs with BaseFinetuning (``_Unfreeze``) under ``strategy``, then the same
+    bits as :func:`_unfreezing_loop` with ``blocks`` (its entries of fused_bucketing) and
+    ``powersgd``'s state; the model's digest."""
     rank = dist.get_rank()
     L.seed_everything(1, verbose=False)
     model = _FinetuneNet()
     with tempfile.TemporaryDirectory() as tmp:
-        _trainer("tribucket", tmp, max_epochs=3, callbacks=[_Unfreeze()]).fit(model, _loader())
-    reference = _unfreezing_loop(([0], [1], [2]))
+        _trainer(strategy, tmp, max_epochs=3, callbacks=[_Unfreeze()]).fit(model, _loader())
+    reference = _unfreezing_loop(blocks, powersgd)
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(a, b), f"rank {rank}: {name} differs from the loop's"
     return {"digest": _digest(model)}
+
+
+def _progressive_unfreezing() -> dict:
+    """Lightning's BaseFinetuning unfreezing the backbone at epoch 1 under the strategy,
+    against the loop a user writes for it (leave fused_bucketing, unfreeze, add the param
+    group, enter again): the same bits."""
+    return _fit_like_the_loop("tribucket", ([0], [1], [2]))
 
 
 @pytest.mark.dist
@@ -612,17 +619,10 @@ def _unfreezing_with_powersgd() -> dict:
     """BaseFinetuning with the PowerSGD hook under the strategy, against the loop that
     re-enters with the same state, its per-bucket memories started again."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-    L.seed_everything(1, verbose=False)
-    model = _FinetuneNet()
-    with tempfile.TemporaryDirectory() as tmp:
-        strategy = FusedBucketingStrategy(hook=psgd.powerSGD_hook,
-                                          hook_state=_unfreezing_powersgd_state())
-        _trainer(strategy, tmp, max_epochs=3, callbacks=[_Unfreeze()]).fit(model, _loader())
+    strategy = FusedBucketingStrategy(hook=psgd.powerSGD_hook,
+                                      hook_state=_unfreezing_powersgd_state())
     # one block before the unfreezing, one after (as the strategy's one rebuild)
-    reference = _unfreezing_loop(([0], [1, 2]), _unfreezing_powersgd_state())
-    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(a, b), f"{name} differs from the loop's"
-    return {"digest": _digest(model)}
+    return _fit_like_the_loop(strategy, ([0], [1, 2]), _unfreezing_powersgd_state())
 
 
 @pytest.mark.dist
